@@ -1,0 +1,702 @@
+"""A checkpointable data pipeline for LLM training, one small class per stage.
+
+Every stage is an iterator over samples (dicts) that wraps an upstream stage and obeys one
+contract (DESIGN.md section 2): after ``s = stage.state_dict()``, a freshly built pipeline with
+the same arguments that calls ``load_state_dict(s)`` yields exactly the items the original
+would have yielded next. States are plain JSON. Sources resume by seeking, never by replaying.
+
+    pipe = Files("data/sample/*/train-*.jsonl", repeat=True, shuffle_shards=True)
+    pipe = Tokenize(pipe, tokenizer, num_threads=2)
+    pipe = EnsureBosEos(pipe, tokenizer)
+    pipe = ConcatChunk(pipe, 1024)
+    pipe = Shuffle(pipe, 1000, seed=0)
+    pipe = Prefetch(Batch(pipe, 8))
+    batch = next(pipe)              # {"input_ids": LongTensor[8, 1024]}
+    state = pipe.state_dict()       # json.dumps(state) works; load it into a new pipeline
+"""
+
+import collections
+import glob
+import json
+import logging
+import os
+import queue
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import braceexpand
+import smart_open
+import torch
+
+log = logging.getLogger("data")
+
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
+
+
+class Stage:
+    """What every stage shares: iteration, close(), and the config fingerprint check.
+
+    ``config`` holds the arguments that shape the stream. It is saved with the state, and a
+    state saved under another config is refused: silently resuming a different stream is the
+    worst kind of bug, because training goes on and nobody notices.
+    """
+
+    src = None
+    config = {}
+
+    def __iter__(self):
+        return self
+
+    def close(self):
+        """Stop background work here and upstream. Safe to call twice."""
+        if self.src is not None:
+            self.src.close()
+
+    def _state(self, **fields):
+        state = {"config": self.config, **fields}
+        if self.src is not None:
+            state["upstream"] = self.src.state_dict()
+        return state
+
+    def _load(self, state):
+        saved = state.get("config", {})
+        for key in sorted(set(saved) | set(self.config)):
+            if saved.get(key) != self.config.get(key):
+                raise ValueError(
+                    f"{type(self).__name__}: the saved state was made with {key}="
+                    f"{saved.get(key)!r}, but this pipeline has {key}={self.config.get(key)!r}. "
+                    "Resume with the arguments of the run that saved it.")
+        if self.src is not None:
+            self.src.load_state_dict(state["upstream"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------
+
+def expand_urls(urls):
+    """Brace patterns, local globs and local directories -> a sorted-as-given list of URLs."""
+    out = []
+    for pattern in [urls] if isinstance(urls, str) else urls:
+        for url in braceexpand.braceexpand(pattern):
+            local = "://" not in url
+            if local and os.path.isdir(url):
+                found = sorted(p for p in glob.glob(os.path.join(url, "**", "*"), recursive=True)
+                               if os.path.isfile(p) and ".json" in os.path.basename(p))
+            elif local and glob.has_magic(url):
+                found = sorted(glob.glob(url))
+            else:
+                found = [url]
+            if not found:
+                raise FileNotFoundError(f"no files match {url!r}")
+            out.extend(found)
+    return out
+
+
+class Files(Stage):
+    """JSON Lines shards (.jsonl, .jsonl.gz, .jsonl.zst, ...) read through smart_open.
+
+    ``n_active_shards`` shards are open at once and read round-robin, one record each in turn,
+    which mixes documents of different shards without a big shuffle buffer. The state of each
+    open shard is the byte offset where its next record starts, so resuming is one seek. A
+    compressed stream cannot seek; it is re-read from the start of the current shard only.
+    ``required_fields`` (e.g. ``("text",)``) makes a record without them a bad record, reported
+    with its shard and line like malformed JSON.
+    """
+
+    def __init__(self, urls, *, repeat=False, shuffle_shards=False, seed=0, n_active_shards=1,
+                 skip_bad_records=False, required_fields=(), transport_params=None):
+        self.urls = expand_urls(urls)
+        self.required_fields = tuple(required_fields)
+        self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
+        self.n_active = n_active_shards
+        self.skip_bad_records = skip_bad_records
+        self.transport_params = transport_params
+        self.config = {"urls": self.urls, "repeat": repeat, "shuffle_shards": shuffle_shards,
+                       "seed": seed, "n_active_shards": n_active_shards}
+        self.epoch = 0        # epoch of the next shard to open
+        self.next_shard = 0   # position in this epoch's shard order of the next shard to open
+        self.slots = []       # open shards: {"url", "offset", "line"}; offset = next record
+        self.turn = 0         # which slot gives the next record
+        self.skipped = 0      # bad records skipped (only with skip_bad_records)
+        self._files = []      # open file objects, parallel to self.slots; never in the state
+
+    def _order(self, epoch):
+        order = list(self.urls)
+        if self.shuffle_shards:
+            # Seeded by (seed, epoch), so the order of any epoch is known without saving it.
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def _open_next_shard(self):
+        """The next shard in order as a new slot, or None when the stream is finished."""
+        if self.next_shard == len(self.urls):
+            if not self.repeat:
+                return None
+            self.epoch, self.next_shard = self.epoch + 1, 0
+        url = self._order(self.epoch)[self.next_shard]
+        self.next_shard += 1
+        return {"url": url, "offset": 0, "line": 0}
+
+    def _open(self, slot):
+        url, offset = slot["url"], slot["offset"]
+        try:
+            f = smart_open.open(url, "rb", transport_params=self.transport_params)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"shard {url} does not exist") from e
+        if offset and url.endswith(_COMPRESSED):
+            # Decompression cannot jump; re-read this shard (and only this shard) up to offset.
+            while offset:
+                chunk = f.read(min(offset, 1 << 20))
+                if not chunk:
+                    raise ValueError(f"shard {url} is shorter than the saved offset {offset}")
+                offset -= len(chunk)
+        elif offset:
+            f.seek(offset)
+        return f
+
+    def _read(self, i):
+        """The next record of slot i, or None at the end of its shard."""
+        slot = self.slots[i]
+        if self._files[i] is None:
+            self._files[i] = self._open(slot)
+        while True:
+            try:
+                line = self._files[i].readline()
+            except (OSError, EOFError, ValueError) as e:  # truncated/corrupt compressed data
+                raise OSError(f"shard {slot['url']}: read failed after line {slot['line']}: "
+                              f"{type(e).__name__}: {e}") from e
+            if not line:
+                return None
+            slot["offset"] += len(line)
+            slot["line"] += 1
+            if not line.strip():
+                continue  # a blank line is not a record
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+                missing = [k for k in self.required_fields if k not in record]
+                if missing:
+                    raise ValueError(f"missing field(s) {missing}; it has {sorted(record)}")
+                return record
+            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
+                msg = (f"shard {slot['url']}, line {slot['line']}: bad record: "
+                       f"{type(e).__name__}: {e}")
+                if not self.skip_bad_records:
+                    raise ValueError(msg + " (skip_bad_records=True skips such lines)") from e
+                self.skipped += 1
+                log.warning("skipped (%d so far): %s", self.skipped, msg)
+
+    def __next__(self):
+        empty_in_a_row = 0
+        while True:
+            while len(self.slots) < self.n_active:
+                slot = self._open_next_shard()
+                if slot is None:
+                    break
+                self.slots.append(slot)
+                self._files.append(None)
+            if not self.slots:
+                raise StopIteration
+            self.turn %= len(self.slots)
+            record = self._read(self.turn)
+            if record is not None:
+                self.turn += 1
+                return record
+            # The shard is done: close it; its place is refilled at the top of the loop.
+            if self.slots[self.turn]["line"] == 0:
+                log.warning("shard %s is empty", self.slots[self.turn]["url"])
+                empty_in_a_row += 1
+                if empty_in_a_row > len(self.urls):
+                    raise ValueError(f"all {len(self.urls)} shards are empty")
+            self._files.pop(self.turn).close()
+            self.slots.pop(self.turn)
+            if len(self.slots) < self.n_active:
+                slot = self._open_next_shard()
+                if slot is not None:  # keep the round-robin position of the finished shard
+                    self.slots.insert(self.turn, slot)
+                    self._files.insert(self.turn, None)
+
+    def state_dict(self):
+        return self._state(epoch=self.epoch, next_shard=self.next_shard, turn=self.turn,
+                           slots=[dict(s) for s in self.slots], skipped=self.skipped)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.epoch, self.next_shard = state["epoch"], state["next_shard"]
+        self.turn, self.skipped = state["turn"], state["skipped"]
+        self.slots = [dict(s) for s in state["slots"]]
+        self._files = [None] * len(self.slots)  # opened (by seeking) on first read
+
+    def close(self):
+        for f in self._files:
+            if f is not None:
+                f.close()
+        self._files = [None] * len(self.slots)
+
+
+class Sequence(Stage):
+    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
+
+    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
+        self.items = list(items)
+        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
+        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
+                       "seed": seed}
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order(0)
+
+    def _make_order(self, epoch):
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __next__(self):
+        if self.pos == len(self.items):
+            if not self.repeat or not self.items:
+                raise StopIteration
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order(self.epoch)
+        item = self.items[self._order[self.pos]]
+        self.pos += 1
+        # A copy, because later stages add keys and the next epoch must see the original.
+        return dict(item) if isinstance(item, dict) else item
+
+    def state_dict(self):
+        return self._state(epoch=self.epoch, pos=self.pos)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._make_order(self.epoch)
+
+
+# ----------------------------------------------------------------------------------------------
+# Transforms
+# ----------------------------------------------------------------------------------------------
+
+class Map(Stage):
+    """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
+
+    def __init__(self, src, fn):
+        self.src, self.fn = src, fn
+
+    def __next__(self):
+        return self.fn(next(self.src))
+
+    def state_dict(self):
+        return self._state()
+
+    def load_state_dict(self, state):
+        self._load(state)
+
+
+class Filter(Map):
+    """Keeps the samples for which ``fn`` is true."""
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            if self.fn(sample):
+                return sample
+
+
+class Take(Stage):
+    """The first ``n`` samples."""
+
+    def __init__(self, src, n):
+        self.src, self.n, self.count = src, n, 0
+        self.config = {"n": n}
+
+    def __next__(self):
+        if self.count >= self.n:
+            raise StopIteration
+        sample = next(self.src)
+        self.count += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(count=self.count)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.count = state["count"]
+
+
+class Stride(Stage):
+    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
+
+    def __init__(self, src, offset, interval):
+        if not 0 <= offset < interval:
+            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
+        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
+        self.config = {"offset": offset, "interval": interval}
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            self.index += 1
+            if (self.index - 1) % self.interval == self.offset:
+                return sample
+
+    def state_dict(self):
+        return self._state(index=self.index)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.index = state["index"]
+
+
+class Tokenize(Stage):
+    """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
+
+    The consumer pulls ``batch_size`` documents, snapshots the upstream state *before* them and
+    submits the batch to the pool; up to ``2 * num_threads`` batches are in flight. The state
+    of a sample is (snapshot before its batch, how many of that batch were handed out): on
+    resume the batch is read and tokenized again and those samples are skipped. That redoes at
+    most one batch of work and keeps state_dict() cheap, whatever the upstream is.
+
+    Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
+    the GIL: that is what lets threads use several cores. The backend's own thread pool is
+    switched off (TOKENIZERS_PARALLELISM=false) so that it and ours do not fight over cores.
+    """
+
+    def __init__(self, src, tokenizer, *, column="text", num_threads=2, batch_size=64,
+                 add_special_tokens=True):
+        self.src, self.column, self.batch_size = src, column, batch_size
+        self.add_special_tokens = add_special_tokens
+        self.num_threads = max(1, num_threads)
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.backend is None and hasattr(tokenizer, "encode_batch_fast"):
+            self.backend = tokenizer  # a bare tokenizers.Tokenizer
+        self.tokenizer = tokenizer
+        if self.backend is not None:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        vocab = (self.backend.get_vocab_size(with_added_tokens=True) if self.backend
+                 else len(tokenizer))
+        self.config = {"tokenizer": name, "vocab_size": vocab, "column": column,
+                       "batch_size": batch_size, "add_special_tokens": add_special_tokens}
+        self._pool = None
+        self._inflight = collections.deque()  # (upstream state before the batch, future)
+        self._batch, self._pos = [], 0        # the batch being handed out and our place in it
+        self._batch_state = None              # upstream state before self._batch
+        self._skip = 0                        # samples of the first batch already consumed
+        self._exhausted = False
+
+    def _encode(self, texts):
+        if self.backend is not None:
+            encs = self.backend.encode_batch_fast(texts, add_special_tokens=self.add_special_tokens)
+            return [e.ids for e in encs]
+        return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+    def _work(self, samples):
+        for sample in samples:
+            if not isinstance(sample.get(self.column), str):
+                raise ValueError(f"Tokenize: a sample has no string field {self.column!r} (keys: "
+                                 f"{sorted(sample)}); Files(..., required_fields=[{self.column!r}])"
+                                 " reports such records with their shard and line")
+        ids = self._encode([s[self.column] for s in samples])
+        for sample, sample_ids in zip(samples, ids):
+            sample["input_ids"] = sample_ids
+        return samples
+
+    def _submit(self):
+        state = self.src.state_dict()
+        samples = []
+        try:
+            while len(samples) < self.batch_size:
+                samples.append(next(self.src))
+        except StopIteration:
+            self._exhausted = True
+        if samples:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
+            self._inflight.append((state, self._pool.submit(self._work, samples)))
+
+    def __next__(self):
+        while self._pos == len(self._batch):
+            while not self._exhausted and len(self._inflight) < 2 * self.num_threads:
+                self._submit()
+            if not self._inflight:
+                raise StopIteration
+            self._batch_state, future = self._inflight.popleft()
+            self._batch, self._pos = future.result(), self._skip
+            self._skip = 0
+        sample = self._batch[self._pos]
+        self._pos += 1
+        return sample
+
+    def state_dict(self):
+        if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
+            return {"config": self.config, "upstream": self.src.state_dict(), "skip": self._skip}
+        return {"config": self.config, "upstream": self._batch_state, "skip": self._pos}
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self._skip = state["skip"]
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._inflight.clear()
+        super().close()
+
+
+class EnsureBosEos(Stage):
+    """Makes every document start with BOS and end with EOS, so documents stay separable.
+
+    When BOS and EOS are one token (GPT-2's <|endoftext|>) only EOS is appended: one separator
+    per document boundary is all a concatenated stream needs.
+    """
+
+    def __init__(self, src, tokenizer):
+        self.src, self.bos, self.eos = src, tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.config = {"bos": self.bos, "eos": self.eos}
+
+    def __next__(self):
+        sample = next(self.src)
+        ids = sample["input_ids"]
+        if self.bos is not None and self.bos != self.eos and (not ids or ids[0] != self.bos):
+            ids = [self.bos] + ids
+        if self.eos is not None and (not ids or ids[-1] != self.eos):
+            ids = ids + [self.eos]
+        sample["input_ids"] = ids
+        return sample
+
+    def state_dict(self):
+        return self._state()
+
+    def load_state_dict(self, state):
+        self._load(state)
+
+
+class Chunk(Stage):
+    """Cuts each document on its own into pieces of ``length`` tokens.
+
+    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
+    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
+    """
+
+    def __init__(self, src, length, *, drop_remainder=True):
+        self.src, self.length, self.drop_remainder = src, length, drop_remainder
+        self.config = {"length": length, "drop_remainder": drop_remainder}
+        self.doc, self.pos = [], 0  # the current document and where its uncut rest starts
+
+    def __next__(self):
+        while True:
+            left = len(self.doc) - self.pos
+            if left >= self.length or (left > 0 and not self.drop_remainder):
+                piece = self.doc[self.pos:self.pos + self.length]
+                self.pos += len(piece)
+                return {"input_ids": torch.tensor(piece, dtype=torch.long)}
+            self.doc, self.pos = next(self.src)["input_ids"], 0
+
+    def state_dict(self):
+        return self._state(rest=self.doc[self.pos:])
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.doc, self.pos = list(state["rest"]), 0
+
+
+class ConcatChunk(Stage):
+    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens.
+
+    No padding is wasted: the leftover of one document starts the next chunk. The leftover
+    is state. Only a final partial chunk at the end of a finite stream is dropped.
+    """
+
+    def __init__(self, src, length):
+        self.src, self.length = src, length
+        self.config = {"length": length}
+        self.buf, self.pos = [], 0  # tokens not yet emitted are buf[pos:]
+
+    def __next__(self):
+        while len(self.buf) - self.pos < self.length:
+            ids = next(self.src)["input_ids"]
+            del self.buf[:self.pos]  # compact only when pulling, so long documents are cut
+            self.pos = 0             # by moving pos, without copying the rest each time
+            self.buf.extend(ids)
+        chunk = self.buf[self.pos:self.pos + self.length]
+        self.pos += self.length
+        return {"input_ids": torch.tensor(chunk, dtype=torch.long)}
+
+    def state_dict(self):
+        return self._state(rest=self.buf[self.pos:])
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.buf, self.pos = list(state["rest"]), 0
+
+
+def to_json(sample):
+    """A sample as JSON-able data: tensors become {"__tensor__": list, "dtype": name}."""
+    if isinstance(sample, torch.Tensor):
+        return {"__tensor__": sample.tolist(), "dtype": str(sample.dtype).removeprefix("torch.")}
+    if isinstance(sample, dict):
+        return {k: to_json(v) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return [to_json(v) for v in sample]
+    return sample
+
+
+def from_json(data):
+    """The inverse of to_json."""
+    if isinstance(data, dict):
+        if "__tensor__" in data:
+            return torch.tensor(data["__tensor__"], dtype=getattr(torch, data["dtype"]))
+        return {k: from_json(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [from_json(v) for v in data]
+    return data
+
+
+class Shuffle(Stage):
+    """A buffered shuffle: fill a buffer of ``buffer_size`` samples, hand out a random one.
+
+    The buffer's contents and the RNG are state. Each sample is converted to JSON at most
+    once while it waits in the buffer (cached beside it), so snapshotting the state for every
+    item, as Prefetch does, costs a list copy and not a re-encoding of the whole buffer.
+    ``buffer_size=1`` is the identity.
+    """
+
+    def __init__(self, src, buffer_size, *, seed=0):
+        self.src, self.buffer_size, self.seed = src, buffer_size, seed
+        self.config = {"buffer_size": buffer_size, "seed": seed}
+        self.rng = random.Random(seed)
+        self.buffer = []  # [sample, its to_json() form or None]
+        self.exhausted = False
+
+    def __next__(self):
+        while not self.exhausted and len(self.buffer) < self.buffer_size:
+            try:
+                self.buffer.append([next(self.src), None])
+            except StopIteration:
+                self.exhausted = True
+        if not self.buffer:
+            raise StopIteration
+        i = self.rng.randrange(len(self.buffer))
+        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
+        return self.buffer.pop()[0]
+
+    def state_dict(self):
+        for entry in self.buffer:
+            if entry[1] is None:
+                entry[1] = to_json(entry[0])
+        version, internal, gauss = self.rng.getstate()
+        return self._state(buffer=[entry[1] for entry in self.buffer], exhausted=self.exhausted,
+                           rng=[version, list(internal), gauss])
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.buffer = [[from_json(s), s] for s in state["buffer"]]
+        self.exhausted = state["exhausted"]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+def collate(samples):
+    """Stacks the tensors of a list of samples; other fields become lists."""
+    out = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if isinstance(values[0], torch.Tensor):
+            shapes = {tuple(v.shape) for v in values}
+            if len(shapes) > 1:
+                raise ValueError(f"cannot stack {key!r}: samples have shapes {sorted(shapes)}; "
+                                 "chunk or pad to one length before Batch")
+            out[key] = torch.stack(values)
+        else:
+            out[key] = values
+    return out
+
+
+class Batch(Stage):
+    """Groups ``batch_size`` samples into one (see collate). The last batch may be short
+    unless ``drop_last``. A batch is built within one next(), so no partial batch outlives it.
+    """
+
+    def __init__(self, src, batch_size, *, drop_last=False):
+        self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
+        self.config = {"batch_size": batch_size, "drop_last": drop_last}
+
+    def __next__(self):
+        samples = []
+        for _ in range(self.batch_size):
+            try:
+                samples.append(next(self.src))
+            except StopIteration:
+                break
+        if not samples or (self.drop_last and len(samples) < self.batch_size):
+            raise StopIteration
+        return collate(samples)
+
+    def state_dict(self):
+        return self._state()
+
+    def load_state_dict(self, state):
+        self._load(state)
+
+
+class Prefetch(Stage):
+    """Runs the upstream pipeline in a background thread, ``depth`` items ahead.
+
+    Each item crosses the queue together with the upstream state taken right after it was
+    produced, and state_dict() returns the state of the last item handed out: items still in
+    the queue at a checkpoint are simply produced again after a resume. The thread is a
+    daemon, so an abandoned pipeline never keeps the interpreter alive; close() stops it.
+    """
+
+    def __init__(self, src, depth=2):
+        self.src, self.depth = src, depth
+        self._queue = queue.Queue(maxsize=depth)
+        self._thread = None
+        self._stop = threading.Event()
+        self._last_state = None  # state belonging to the last item handed out
+        self._end = None         # the exception that ended the stream, raised again on next()
+
+    def _produce(self):
+        try:
+            while not self._stop.is_set():
+                item = next(self.src)
+                self._queue.put((item, self.src.state_dict(), None))
+        except Exception as e:  # StopIteration included: it ends the stream downstream too
+            self._queue.put((None, None, e))
+
+    def __next__(self):
+        if self._end is not None:
+            raise self._end
+        if self._thread is None:
+            self._last_state = self.src.state_dict()
+            self._thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
+            self._thread.start()
+        item, state, error = self._queue.get()
+        if error is not None:
+            self._end = StopIteration() if isinstance(error, StopIteration) else error
+            raise self._end
+        self._last_state = state
+        return item
+
+    def state_dict(self):
+        upstream = self._last_state if self._thread is not None else self.src.state_dict()
+        return {"config": self.config, "upstream": upstream}
+
+    def load_state_dict(self, state):
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before the first next()")
+        self._load(state)
+
+    def close(self):
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            self._thread = None
+        super().close()
