@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Train the kit's default tokenizer and write the tiny GPT-2 config.
+
+1. A byte-level BPE tokenizer (GPT-2 style, vocab 8192) is trained with the
+   `tokenizers` library on the train shards of data/sample (all domains) and
+   saved to assets/tokenizer/ so that, offline,
+       AutoTokenizer.from_pretrained("assets/tokenizer")
+   returns a fast tokenizer with bos == eos == "<|endoftext|>" and a separate
+   pad token "<|pad|>". Byte-level means every string round-trips exactly
+   (decode(encode(x)) == x) and no input is ever "unknown".
+2. assets/tiny-gpt2/config.json: a 4-layer, 128-wide GPT-2 whose vocabulary
+   and special-token ids match the tokenizer. All dropout is 0 so a forward
+   pass uses no randomness (needed for bit-exact resume of training).
+
+Both outputs are deterministic: the same data gives byte-identical files.
+Regenerate with (after scripts/make_sample_data.py):
+    python scripts/train_tokenizer.py --data data/sample
+"""
+import argparse
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+EOS = "<|endoftext|>"  # GPT-2's single document separator, also used as bos
+PAD = "<|pad|>"        # a separate pad token, so padding is never confused with eos
+
+
+def iter_texts(files):
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]
+
+
+def train_tokenizer(files, vocab_size):
+    tok = Tokenizer(models.BPE())  # no unk token: byte-level never needs one
+    # GPT-2's regex split + mapping of every byte to a printable character.
+    # add_prefix_space=False: "hello" is not silently turned into " hello".
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # Only fixes character offsets; unlike a TemplateProcessing post-processor
+    # it adds no special tokens, so tokenizer("hello") is just the text's ids.
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],  # ids 0 and 1
+        # Seed the vocabulary with all 256 byte symbols, even ones absent from
+        # the data, so any input can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tok.train_from_iterator(iter_texts(files), trainer=trainer)
+    return tok
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, default=Path("data/sample"))
+    ap.add_argument("--out", type=Path, default=Path("assets/tokenizer"))
+    ap.add_argument("--config-out", type=Path, default=Path("assets/tiny-gpt2"))
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--max-length", type=int, default=512, help="model_max_length = n_positions")
+    args = ap.parse_args()
+
+    # Sorted so the training stream, hence the merges, is the same every run.
+    files = sorted(args.data.glob("*/train-*.jsonl"))
+    assert files, f"no train shards under {args.data}; run make_sample_data.py first"
+    tok = train_tokenizer(files, args.vocab_size)
+
+    # Imported late: transformers is slow to import and step 1 does not need it.
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GPT2Config,
+        PreTrainedTokenizerFast,
+    )
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=PAD,
+        model_max_length=args.max_length,
+        clean_up_tokenization_spaces=False,  # would turn " ." into "." on decode
+    )
+    hf_tok.save_pretrained(args.out)
+    # transformers 5 records its internal class name "TokenizersBackend";
+    # "PreTrainedTokenizerFast" names the same class in 5.x and also loads in 4.x.
+    cfg_path = args.out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    # ---- check what a user of the kit will see: a fresh, offline load
+    tok2 = AutoTokenizer.from_pretrained(args.out)
+    assert isinstance(tok2, PreTrainedTokenizerFast), type(tok2)
+    assert tok2.bos_token == tok2.eos_token == EOS and tok2.pad_token == PAD
+    assert tok2("hello")["input_ids"] == tok2.encode("hello", add_special_tokens=False)
+    samples = [next(iter_texts([f])) for f in files[::4]] + [
+        "  leading spaces, tabs\t and\nnewlines  ", "naïve café — 日本語 🐍 \x00\x7f", ""]
+    for text in samples:
+        assert tok2.decode(tok2(text, verbose=False)["input_ids"]) == text, text[:80]
+    print(f"tokenizer: {len(tok2)} tokens (incl. specials) -> {args.out}/")
+
+    # ---- tiny GPT-2 config that matches the tokenizer
+    config = GPT2Config(
+        vocab_size=len(tok2),
+        n_positions=args.max_length, n_embd=128, n_layer=4, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+        bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
+        pad_token_id=tok2.pad_token_id,
+    )
+    config.save_pretrained(args.config_out)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config_out))
+    n_params = sum(p.numel() for p in model.parameters())  # lm_head is tied to wte
+    print(f"tiny-gpt2: {n_params:,} parameters -> {args.config_out}/config.json")
+
+    # ---- tokens per byte per domain: a rough "difficulty" hint
+    print(f"{'domain':<12}{'bytes':>11}{'tokens':>10}{'tok/byte':>10}")
+    for domain in sorted({f.parent.name for f in files}):
+        texts = list(iter_texts(sorted(args.data.glob(f"{domain}/*.jsonl"))))
+        n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        n_tokens = sum(len(enc.ids) for enc in tok.encode_batch(texts))
+        print(f"{domain:<12}{n_bytes:>11,}{n_tokens:>10,}{n_tokens / n_bytes:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()

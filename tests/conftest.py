@@ -1,0 +1,25 @@
+import os
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WORDS = ["<bos>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+def toy_tokenizer(same_bos_eos=False):
+    """A word-level tokenizer with predictable ids: "a" -> 3, "b" -> 4, ..., "z" -> 28."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = "<bos>" if same_bos_eos else "<eos>"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token=eos,
+                                   unk_token="<unk>", name_or_path="toy")
+
+
+@pytest.fixture(scope="session")
+def toy():
+    return toy_tokenizer()

@@ -1,0 +1,313 @@
+"""Each stage on hand-written input, and bad input (DESIGN.md section 5)."""
+
+import gzip
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import zstandard
+from conftest import ROOT, toy_tokenizer
+
+from data import (
+    Batch,
+    Chunk,
+    ConcatChunk,
+    EnsureBosEos,
+    Files,
+    Filter,
+    Map,
+    Prefetch,
+    Sequence,
+    Shuffle,
+    Stride,
+    Take,
+    Tokenize,
+    expand_urls,
+)
+
+
+def write_jsonl(path, records):
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if str(path).endswith(".gz"):
+        path.write_bytes(gzip.compress(text.encode()))
+    elif str(path).endswith(".zst"):
+        path.write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
+    else:
+        path.write_text(text)
+    return str(path)
+
+
+def texts(stage):
+    return [s["text"] for s in stage]
+
+
+def ids(stage):
+    return [s["input_ids"].tolist() for s in stage]
+
+
+# -- Files ---------------------------------------------------------------------------------------
+
+def test_files_reads_shards_in_order(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a1"}, {"text": "a2"}])
+    b = write_jsonl(tmp_path / "b.jsonl.gz", [{"text": "b1"}])
+    c = write_jsonl(tmp_path / "c.jsonl.zst", [{"text": "c1"}, {"text": "c2"}])
+    assert texts(Files([a, b, c])) == ["a1", "a2", "b1", "c1", "c2"]
+
+
+def test_files_round_robin_over_active_shards(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a1"}, {"text": "a2"}, {"text": "a3"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "b1"}])
+    c = write_jsonl(tmp_path / "c.jsonl", [{"text": "c1"}, {"text": "c2"}])
+    # b ends after one record; c takes its place in the rotation.
+    assert texts(Files([a, b, c], n_active_shards=2)) == ["a1", "b1", "a2", "c1", "a3", "c2"]
+
+
+def test_files_repeat_and_shuffled_shard_order(tmp_path):
+    urls = [write_jsonl(tmp_path / f"{i}.jsonl", [{"text": str(i)}]) for i in range(6)]
+    plain = Files(urls, repeat=True)
+    assert [next(plain)["text"] for _ in range(8)] == ["0", "1", "2", "3", "4", "5", "0", "1"]
+    shuffled = Files(urls, repeat=True, shuffle_shards=True, seed=3)
+    epochs = [[next(shuffled)["text"] for _ in range(6)] for _ in range(3)]
+    assert all(sorted(e) == ["0", "1", "2", "3", "4", "5"] for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1, "each epoch should get its own order"
+    again = Files(urls, repeat=True, shuffle_shards=True, seed=3)
+    assert [next(again)["text"] for _ in range(18)] == sum(epochs, [])
+
+
+def test_files_empty_shard_and_blank_lines(tmp_path, caplog):
+    a = write_jsonl(tmp_path / "a.jsonl", [])
+    b = tmp_path / "b.jsonl"
+    b.write_text('{"text": "x"}\n\n{"text": "y"}')  # blank line, no final newline
+    with caplog.at_level(logging.WARNING, logger="data"):
+        assert texts(Files([a, str(b)])) == ["x", "y"]
+    assert "a.jsonl is empty" in caplog.text
+    with pytest.raises(ValueError, match="all 1 shards are empty"):
+        next(Files([a], repeat=True))
+
+
+def test_expand_urls(tmp_path):
+    for name in ["s-000.jsonl", "s-001.jsonl", "s-002.jsonl", "notes.txt"]:
+        (tmp_path / name).write_text("")
+    d = str(tmp_path)
+    assert expand_urls(f"{d}/s-{{000..001}}.jsonl") == [f"{d}/s-000.jsonl", f"{d}/s-001.jsonl"]
+    assert expand_urls(f"{d}/s-*.jsonl") == [f"{d}/s-00{i}.jsonl" for i in range(3)]
+    assert expand_urls(d) == [f"{d}/s-00{i}.jsonl" for i in range(3)]
+    assert expand_urls(["s3://bucket/x-{0..1}.jsonl"]) == ["s3://bucket/x-0.jsonl",
+                                                            "s3://bucket/x-1.jsonl"]
+    with pytest.raises(FileNotFoundError, match="no files match"):
+        expand_urls(f"{d}/missing-*.jsonl")
+
+
+# -- Sequence and the simple transforms --------------------------------------------------------------
+
+def test_sequence():
+    assert list(Sequence([1, 2, 3])) == [1, 2, 3]
+    rep = Sequence([1, 2, 3], repeat=True, shuffle=True, seed=1)
+    got = [next(rep) for _ in range(9)]
+    assert all(sorted(got[i:i + 3]) == [1, 2, 3] for i in (0, 3, 6))
+    items = [{"text": "a"}]
+    seq = Sequence(items, repeat=True)
+    next(seq)["text"] = "changed"
+    assert next(seq) == {"text": "a"}, "later stages must not change the next epoch's items"
+
+
+def test_map_filter_take_stride():
+    assert list(Map(Sequence(range(4)), lambda x: x * 10)) == [0, 10, 20, 30]
+    assert list(Filter(Sequence(range(6)), lambda x: x % 2)) == [1, 3, 5]
+    assert list(Take(Sequence(range(6)), 2)) == [0, 1]
+    assert list(Take(Sequence(range(1)), 5)) == [0]
+    assert list(Stride(Sequence(range(7)), 1, 3)) == [1, 4]
+    assert list(Stride(Sequence(range(7)), 0, 3)) == [0, 3, 6]
+    with pytest.raises(ValueError):
+        Stride(Sequence([]), 3, 3)
+
+
+# -- Tokenize and EnsureBosEos ---------------------------------------------------------------------
+
+def test_tokenize_fast_and_slow_paths(toy):
+    docs = [{"text": "a b c", "id": 1}, {"text": "z", "id": 2}, {"text": "", "id": 3}] * 5
+    want = [[3, 4, 5], [28], []] * 5
+    out = list(Tokenize(Sequence(docs), toy, num_threads=2, batch_size=2))
+    assert [s["input_ids"] for s in out] == want
+    assert [s["id"] for s in out] == [1, 2, 3] * 5, "other fields pass through"
+
+    class SlowTokenizer:  # no Rust backend: Tokenize must fall back to __call__
+        name_or_path = "slow"
+
+        def __len__(self):
+            return 29
+
+        def __call__(self, texts, add_special_tokens=True):
+            return {"input_ids": [[3 + ord(w) - ord("a") for w in t.split()] for t in texts]}
+
+    out = list(Tokenize(Sequence(docs), SlowTokenizer(), num_threads=3, batch_size=4))
+    assert [s["input_ids"] for s in out] == want
+
+
+def test_tokenize_missing_column(toy):
+    with pytest.raises(ValueError, match="no string field 'text'"):
+        list(Tokenize(Sequence([{"content": "a"}]), toy))
+
+
+def test_ensure_bos_eos(toy):
+    docs = [{"input_ids": [3, 4]}, {"input_ids": [0, 3, 1]}, {"input_ids": []}]
+    assert [s["input_ids"] for s in EnsureBosEos(Sequence(docs), toy)] == [
+        [0, 3, 4, 1], [0, 3, 1], [0, 1]]
+    gpt2_style = toy_tokenizer(same_bos_eos=True)  # bos == eos == 0: one separator per doc
+    docs = [{"input_ids": [3, 4]}, {"input_ids": [0, 3, 0]}, {"input_ids": []}]
+    assert [s["input_ids"] for s in EnsureBosEos(Sequence(docs), gpt2_style)] == [
+        [3, 4, 0], [0, 3, 0], [0]]
+
+
+# -- Chunk, ConcatChunk, Shuffle, Batch --------------------------------------------------------------
+
+def docs_of(*lists):
+    return Sequence([{"input_ids": list(x), "text": "dropped"} for x in lists])
+
+
+def test_chunk():
+    src = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
+    assert ids(Chunk(docs_of(*src), 3)) == [[1, 2, 3], [4, 5, 6], [9, 10, 11]]
+    assert ids(Chunk(docs_of(*src), 3, drop_remainder=False)) == [
+        [1, 2, 3], [4, 5, 6], [7], [8], [9, 10, 11]]
+    out = next(Chunk(docs_of(*src), 3))
+    assert set(out) == {"input_ids"} and out["input_ids"].dtype == torch.long
+
+
+def test_concat_chunk():
+    src = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10, 11, 12, 13], [14]]
+    assert ids(ConcatChunk(docs_of(*src), 3)) == [
+        [1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]  # [13, 14] is the dropped final part
+    assert ids(ConcatChunk(docs_of([1]), 2)) == []
+
+
+def test_shuffle():
+    assert list(Shuffle(Sequence(range(10)), 1)) == list(range(10))
+    out = list(Shuffle(Sequence(range(50)), 8, seed=1))
+    assert sorted(out) == list(range(50)) and out != list(range(50))
+    assert out == list(Shuffle(Sequence(range(50)), 8, seed=1))
+    assert out != list(Shuffle(Sequence(range(50)), 8, seed=2))
+    # A buffer of 8 can move an item at most 7 places earlier.
+    assert all(pos >= item - 7 for pos, item in enumerate(out))
+
+
+def test_batch():
+    src = [{"input_ids": torch.tensor([i, i]), "name": str(i)} for i in range(5)]
+    out = list(Batch(Sequence(src), 2))
+    assert [b["input_ids"].tolist() for b in out] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]], [[4, 4]]]
+    assert out[0]["name"] == ["0", "1"]
+    assert len(list(Batch(Sequence(src), 2, drop_last=True))) == 2
+    ragged = [{"input_ids": torch.tensor([1])}, {"input_ids": torch.tensor([1, 2])}]
+    with pytest.raises(ValueError, match="cannot stack 'input_ids'"):
+        next(Batch(Sequence(ragged), 2))
+
+
+# -- Prefetch --------------------------------------------------------------------------------------
+
+def test_prefetch_same_items_and_errors():
+    assert list(Prefetch(Sequence(range(20)), 3)) == list(range(20))
+
+    def boom(x):
+        if x == 3:
+            raise RuntimeError("boom at 3")
+        return x
+
+    p = Prefetch(Map(Sequence(range(10)), boom), 2)
+    assert [next(p) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="boom at 3"):
+        next(p)
+    with pytest.raises(RuntimeError, match="boom at 3"):
+        next(p)  # stays failed
+    p.close()
+    p.close()
+
+
+def test_prefetch_close_stops_a_blocked_producer():
+    p = Prefetch(Sequence(range(100), repeat=True), 1)
+    next(p)  # the producer now blocks on the full queue
+    thread = p._thread
+    p.close()
+    assert not thread.is_alive()
+
+
+def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
+    """A pipeline with background threads, dropped without close(), must let Python exit."""
+    shard = write_jsonl(tmp_path / "a.jsonl", [{"text": "a b c " * 50}] * 200)
+    script = textwrap.dedent(f"""
+        import sys; sys.path[:0] = [{ROOT!r}, {ROOT + '/tests'!r}]
+        from conftest import toy_tokenizer
+        from data import Files, Tokenize, ConcatChunk, Prefetch
+        tok = toy_tokenizer()
+        p = Prefetch(ConcatChunk(Tokenize(Files({shard!r}, repeat=True), tok, num_threads=2), 8))
+        next(p)
+        print("done")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+
+
+# -- bad input (DESIGN.md section 5) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, problem", [
+    (b'{"text": "unterminated', "JSONDecodeError"),
+    (b'["a", "list"]', "expected a JSON object, got list"),
+    (b'{"content": "no text"}', "missing field(s) ['text']"),
+    (b'{"text": "\xff\xfe bad utf-8"}', "UnicodeDecodeError"),
+])
+def test_bad_record_names_shard_and_line(tmp_path, caplog, line, problem):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "ok 1"}\n{"text": "ok 2"}\n' + line + b'\n{"text": "ok 4"}\n')
+    files = Files(str(path), required_fields=["text"])
+    assert texts(Take(files, 2)) == ["ok 1", "ok 2"]
+    with pytest.raises(ValueError) as err:
+        next(files)
+    assert f"shard {path}, line 3" in str(err.value) and problem in str(err.value)
+
+    files = Files(str(path), required_fields=["text"], skip_bad_records=True)
+    with caplog.at_level(logging.WARNING, logger="data"):
+        assert texts(files) == ["ok 1", "ok 2", "ok 4"]
+    assert files.state_dict()["skipped"] == 1
+    assert f"shard {path}, line 3" in caplog.text
+
+
+def test_missing_shard(tmp_path):
+    files = Files([write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}]), str(tmp_path / "b.jsonl")])
+    assert next(files)["text"] == "a"
+    with pytest.raises(FileNotFoundError, match="b.jsonl does not exist"):
+        next(files)
+
+
+def test_truncated_gzip(tmp_path):
+    path = tmp_path / "cut.jsonl.gz"
+    write_jsonl(path, [{"text": f"record {i} " + "x" * 50} for i in range(2000)])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(OSError, match=r"cut.jsonl.gz: read failed after line \d+"):
+        list(Files(str(path)))
+
+
+def test_state_from_other_arguments_is_refused(tmp_path, toy):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a b"}] * 5)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": "a b"}] * 5)
+
+    def build(urls=a, length=4, seed=0):
+        return Shuffle(ConcatChunk(Tokenize(Files(urls), toy), length), 4, seed=seed)
+
+    state = build().state_dict()
+    build().load_state_dict(state)  # same arguments: fine
+    with pytest.raises(ValueError, match="length=4.*length=8"):
+        build(length=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=0.*seed=1"):
+        build(seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="urls="):
+        build(urls=[a, b]).load_state_dict(state)
+    other_tok = toy_tokenizer()
+    other_tok.name_or_path = "other"
+    with pytest.raises(ValueError, match="tokenizer='toy'"):
+        Shuffle(ConcatChunk(Tokenize(Files(a), other_tok), 4), 4).load_state_dict(state)

@@ -1,0 +1,184 @@
+"""The stage protocol (DESIGN.md section 2), checked on random pipelines and random cut points.
+
+Run a pipeline straight; run it again, cutting at random points: take state_dict(), send it
+through JSON, build a fresh pipeline, load_state_dict() and go on. Both runs must yield the
+same items. A resumed pipeline is cut and resumed again.
+"""
+
+import gzip
+import json
+import os
+import random
+import tempfile
+
+import torch
+import zstandard
+from conftest import toy_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from data import (
+    Batch,
+    Chunk,
+    ConcatChunk,
+    EnsureBosEos,
+    Files,
+    Filter,
+    Prefetch,
+    Sequence,
+    Shuffle,
+    Stride,
+    Take,
+    Tokenize,
+)
+
+TOKENIZER = toy_tokenizer()
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def write_shards(directory, sizes, suffixes, seed):
+    """Shards of random documents ("c a q ..."), some compressed; sizes may be 0."""
+    rng = random.Random(seed)
+    urls = []
+    for i, (size, suffix) in enumerate(zip(sizes, suffixes)):
+        lines = [json.dumps({"text": " ".join(rng.choices(LETTERS, k=rng.randrange(0, 12))),
+                             "doc": f"{i}-{j}"}) + "\n" for j in range(size)]
+        data = "".join(lines).encode()
+        if suffix == ".jsonl.gz":
+            data = gzip.compress(data, mtime=0)
+        elif suffix == ".jsonl.zst":
+            data = zstandard.ZstdCompressor().compress(data)
+        path = os.path.join(directory, f"shard-{i:03d}{suffix}")
+        with open(path, "wb") as f:
+            f.write(data)
+        urls.append(path)
+    return urls
+
+
+pipelines = st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 15), min_size=1, max_size=5),
+    "suffixes": st.lists(st.sampled_from([".jsonl", ".jsonl", ".jsonl.gz", ".jsonl.zst"]),
+                         min_size=5, max_size=5),
+    "active": st.integers(1, 3),
+    "repeat": st.booleans(),
+    "shuffle_shards": st.booleans(),
+    "stride": st.none() | st.tuples(st.integers(0, 2), st.integers(1, 3)),
+    "filter": st.booleans(),
+    "threads": st.integers(1, 3),
+    "tok_batch": st.integers(1, 6),
+    "chunk": st.sampled_from(["concat", "chunk", "chunk_keep", "none"]),
+    "length": st.integers(1, 9),
+    "shuffle": st.none() | st.integers(1, 6),
+    "batch": st.none() | st.integers(1, 3),
+    "prefetch": st.none() | st.integers(1, 3),
+    "seed": st.integers(0, 3),
+})
+
+
+def build(urls, p):
+    pipe = Files(urls, repeat=p["repeat"], shuffle_shards=p["shuffle_shards"], seed=p["seed"],
+                 n_active_shards=p["active"])
+    if p["stride"]:
+        offset, interval = p["stride"]
+        pipe = Stride(pipe, offset % interval, interval)
+    if p["filter"]:
+        pipe = Filter(pipe, lambda s: not s["text"].startswith("a"))
+    pipe = Tokenize(pipe, TOKENIZER, num_threads=p["threads"], batch_size=p["tok_batch"])
+    pipe = EnsureBosEos(pipe, TOKENIZER)
+    if p["chunk"] == "concat":
+        pipe = ConcatChunk(pipe, p["length"])
+    elif p["chunk"] in ("chunk", "chunk_keep"):
+        pipe = Chunk(pipe, p["length"], drop_remainder=p["chunk"] == "chunk")
+    if p["shuffle"]:
+        pipe = Shuffle(pipe, p["shuffle"], seed=p["seed"])
+    if p["batch"] and p["chunk"] in ("concat", "chunk"):  # equal lengths: stackable
+        pipe = Batch(pipe, p["batch"])
+    if p["prefetch"]:
+        pipe = Prefetch(pipe, p["prefetch"])
+    return pipe
+
+
+def comparable(item):
+    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
+
+
+def take(pipe, n):
+    out = []
+    for _ in range(n):
+        try:
+            out.append(comparable(next(pipe)))
+        except StopIteration:
+            break
+    return out
+
+
+def run_with_cuts(make, cuts, total):
+    """Items of a pipeline that is cut (state -> JSON -> new pipeline) at each of `cuts`."""
+    out, pipe = [], make()
+    for cut in sorted(cuts):
+        out += take(pipe, cut - len(out))
+        state = json.loads(json.dumps(pipe.state_dict()))
+        pipe.close()
+        pipe = make()
+        pipe.load_state_dict(state)
+    out += take(pipe, total - len(out))
+    pipe.close()
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=pipelines, cuts=st.lists(st.integers(0, 40), min_size=1, max_size=3))
+def test_random_pipelines_resume_exactly(p, cuts):
+    total = 40
+    with tempfile.TemporaryDirectory() as d:
+        urls = write_shards(d, p["sizes"], p["suffixes"], p["seed"])
+        if p["repeat"] and sum(p["sizes"]) == 0:
+            return  # an endless stream of empty shards is an error, tested elsewhere
+        make = lambda: build(urls, p)  # noqa: E731
+        straight = run_with_cuts(make, [], total)
+        assert run_with_cuts(make, cuts, total) == straight
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 12), repeat=st.booleans(), shuffle=st.booleans(), take_n=st.integers(0, 30),
+       cuts=st.lists(st.integers(0, 30), min_size=1, max_size=3))
+def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
+    make = lambda: Take(Sequence(range(n), repeat=repeat, shuffle=shuffle, seed=7), take_n)  # noqa: E731
+    straight = list(make())
+    out, pipe = [], make()
+    for cut in sorted(cuts):
+        while len(out) < cut:
+            try:
+                out.append(next(pipe))
+            except StopIteration:
+                break
+        state = json.loads(json.dumps(pipe.state_dict()))
+        pipe = make()
+        pipe.load_state_dict(state)
+    assert out + list(pipe) == straight
+
+
+def test_resume_seeks_instead_of_reading(tmp_path):
+    """A resumed Files reads (almost) nothing before its offset: measured by the kernel."""
+    path = tmp_path / "big.jsonl"
+    record = json.dumps({"text": "x" * 1000}) + "\n"
+    path.write_text(record * 10_000)  # 10 MB
+    size = path.stat().st_size
+    files = Files(str(path))
+    for _ in range(9_000):
+        next(files)
+    state = json.loads(json.dumps(files.state_dict()))
+    files.close()
+
+    def bytes_read():  # rchar: bytes this process asked read() for, page cache hits included
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+    resumed = Files(str(path))
+    before = bytes_read()
+    resumed.load_state_dict(state)
+    first = next(resumed)
+    read = bytes_read() - before
+    assert first["text"] == "x" * 1000
+    assert read <= 0.01 * size, f"resuming read {read} bytes of a {size}-byte shard"
+    assert len(list(resumed)) == 999
