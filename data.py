@@ -48,6 +48,12 @@ class Stage:
     def __iter__(self):
         return self
 
+    def state_dict(self):  # stages with state of their own extend these two
+        return self._state()
+
+    def load_state_dict(self, state):
+        self._load(state)
+
     def close(self):
         """Stop background work here and upstream. Safe to call twice."""
         if self.src is not None:
@@ -190,7 +196,7 @@ class Files(Stage):
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
 
     def __next__(self):
-        empty_in_a_row = 0
+        empty = set()  # shards found empty in this call: all of them means an endless loop
         while True:
             while len(self.slots) < self.n_active:
                 slot = self._open_next_shard()
@@ -208,8 +214,8 @@ class Files(Stage):
             # The shard is done: close it; its place is refilled at the top of the loop.
             if self.slots[self.turn]["line"] == 0:
                 log.warning("shard %s is empty", self.slots[self.turn]["url"])
-                empty_in_a_row += 1
-                if empty_in_a_row > len(self.urls):
+                empty.add(self.slots[self.turn]["url"])
+                if self.repeat and len(empty) == len(set(self.urls)):
                     raise ValueError(f"all {len(self.urls)} shards are empty")
             self._files.pop(self.turn).close()
             self.slots.pop(self.turn)
@@ -286,12 +292,6 @@ class Map(Stage):
 
     def __next__(self):
         return self.fn(next(self.src))
-
-    def state_dict(self):
-        return self._state()
-
-    def load_state_dict(self, state):
-        self._load(state)
 
 
 class Filter(Map):
@@ -467,12 +467,6 @@ class EnsureBosEos(Stage):
         sample["input_ids"] = ids
         return sample
 
-    def state_dict(self):
-        return self._state()
-
-    def load_state_dict(self, state):
-        self._load(state)
-
 
 class Chunk(Stage):
     """Cuts each document on its own into pieces of ``length`` tokens.
@@ -634,12 +628,6 @@ class Batch(Stage):
         if not samples or (self.drop_last and len(samples) < self.batch_size):
             raise StopIteration
         return collate(samples)
-
-    def state_dict(self):
-        return self._state()
-
-    def load_state_dict(self, state):
-        self._load(state)
 
 
 class Prefetch(Stage):

@@ -311,3 +311,12 @@ def test_state_from_other_arguments_is_refused(tmp_path, toy):
     other_tok.name_or_path = "other"
     with pytest.raises(ValueError, match="tokenizer='toy'"):
         Shuffle(ConcatChunk(Tokenize(Files(a), other_tok), 4), 4).load_state_dict(state)
+
+
+def test_files_empty_shards_are_skipped_not_fatal(tmp_path):
+    empty = [write_jsonl(tmp_path / f"e{i}.jsonl", []) for i in range(3)]
+    full = write_jsonl(tmp_path / "full.jsonl", [{"text": "x"}])
+    assert texts(Files(empty)) == []
+    for active in (1, 2, 3):  # several empty shards before the one with data, every epoch
+        files = Files(empty + [full], repeat=True, shuffle_shards=True, n_active_shards=active)
+        assert [next(files)["text"] for _ in range(5)] == ["x"] * 5
