@@ -103,47 +103,62 @@ def expand_urls(urls):
 class Files(Stage):
     """JSON Lines shards (.jsonl, .jsonl.gz, .jsonl.zst, ...) read through smart_open.
 
-    ``n_active_shards`` shards are open at once and read round-robin, one record each in turn,
-    which mixes documents of different shards without a big shuffle buffer. The state of each
-    open shard is the byte offset where its next record starts, so resuming is one seek. A
-    compressed stream cannot seek; it is re-read from the start of the current shard only.
-    ``required_fields`` (e.g. ``("text",)``) makes a record without them a bad record, reported
-    with its shard and line like malformed JSON.
+    The stream is a round-robin over ``n_active_shards`` shard *slots*, one record from each
+    in turn, which mixes documents of different shards without a big shuffle buffer. Slot s
+    reads its own fixed sequence of shards: positions s, s + S, s + 2S, ... of the shard order
+    (epoch after epoch with ``repeat``; each epoch reshuffled with ``shuffle_shards``). Fixed
+    sequences are what let ranks split the work without reading what they throw away: with
+    ``rank=r, world_size=W`` (W dividing S) only the slots s = r (mod W) are read, and the
+    result is exactly ``Stride(Files(...), r, W)`` of the one-rank stream while no slot has
+    run out (with ``repeat``, always, unless a slot meets only empty shards).
+
+    The state of a slot is the URL of its shard and the byte offset where its next record
+    starts, so resuming is one seek. A compressed stream cannot seek; it is re-read from the
+    start of the current shard only. ``required_fields`` (e.g. ``["text"]``) makes a record
+    without them a bad record, reported with shard and line like malformed JSON.
     """
 
     def __init__(self, urls, *, repeat=False, shuffle_shards=False, seed=0, n_active_shards=1,
-                 skip_bad_records=False, required_fields=(), transport_params=None):
+                 skip_bad_records=False, required_fields=(), transport_params=None,
+                 rank=0, world_size=1):
+        if n_active_shards % world_size:
+            raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
+                             f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
-        self.required_fields = tuple(required_fields)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
-        self.n_active = n_active_shards
-        self.skip_bad_records = skip_bad_records
+        self.n_slots = n_active_shards
+        self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
+        self._orders = {}  # epoch -> shard order, for the epochs being read
         self.config = {"urls": self.urls, "repeat": repeat, "shuffle_shards": shuffle_shards,
-                       "seed": seed, "n_active_shards": n_active_shards}
-        self.epoch = 0        # epoch of the next shard to open
-        self.next_shard = 0   # position in this epoch's shard order of the next shard to open
-        self.slots = []       # open shards: {"url", "offset", "line"}; offset = next record
+                       "seed": seed, "n_active_shards": n_active_shards, "rank": rank,
+                       "world_size": world_size}
+        # Open slots: "pos" is the shard's place in the endless sequence of epochs, "offset"
+        # the byte where its next record starts, "line" the lines read so far.
+        self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
+        self.slots = [slot for slot in self.slots if slot is not None]
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
-        self._files = []      # open file objects, parallel to self.slots; never in the state
+        self._files = [None] * len(self.slots)  # open file objects; never in the state
 
-    def _order(self, epoch):
-        order = list(self.urls)
-        if self.shuffle_shards:
-            # Seeded by (seed, epoch), so the order of any epoch is known without saving it.
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
+    def _slot(self, pos):
+        """A new slot reading the shard at position ``pos``, or None past a finite end."""
+        epoch, i = divmod(pos, len(self.urls))
+        if epoch > 0 and not self.repeat:
+            return None
+        if epoch not in self._orders:
+            order = list(self.urls)
+            if self.shuffle_shards:  # seeded by (seed, epoch): any epoch's order, unsaved
+                random.Random(f"{self.seed}-{epoch}").shuffle(order)
+            # Slots are an epoch or so apart at most: forget orders older than that.
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return {"pos": pos, "url": self._orders[epoch][i], "offset": 0, "line": 0}
 
-    def _open_next_shard(self):
-        """The next shard in order as a new slot, or None when the stream is finished."""
-        if self.next_shard == len(self.urls):
-            if not self.repeat:
-                return None
-            self.epoch, self.next_shard = self.epoch + 1, 0
-        url = self._order(self.epoch)[self.next_shard]
-        self.next_shard += 1
-        return {"url": url, "offset": 0, "line": 0}
+    @property
+    def epoch(self):
+        """The oldest epoch still being read."""
+        return min((s["pos"] // len(self.urls) for s in self.slots), default=0)
 
     def _open(self, slot):
         url, offset = slot["url"], slot["offset"]
@@ -195,43 +210,47 @@ class Files(Stage):
                 self.skipped += 1
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
 
+    def _dead(self, empties):
+        """Would a slot that just met these empty shards in a row loop forever?"""
+        if len(set(empties)) == len(set(self.urls)):
+            return True  # every shard is empty
+        # Without shuffle_shards a slot sees a fixed cycle of at most len(urls) shards.
+        return not self.shuffle_shards and len(empties) >= len(self.urls)
+
     def __next__(self):
-        empty = set()  # shards found empty in this call: all of them means an endless loop
-        while True:
-            while len(self.slots) < self.n_active:
-                slot = self._open_next_shard()
-                if slot is None:
-                    break
-                self.slots.append(slot)
-                self._files.append(None)
-            if not self.slots:
-                raise StopIteration
+        empties = []  # empty shards in a row, all met by the slot whose turn it is
+        while self.slots:
             self.turn %= len(self.slots)
             record = self._read(self.turn)
             if record is not None:
                 self.turn += 1
                 return record
-            # The shard is done: close it; its place is refilled at the top of the loop.
-            if self.slots[self.turn]["line"] == 0:
-                log.warning("shard %s is empty", self.slots[self.turn]["url"])
-                empty.add(self.slots[self.turn]["url"])
-                if self.repeat and len(empty) == len(set(self.urls)):
-                    raise ValueError(f"all {len(self.urls)} shards are empty")
-            self._files.pop(self.turn).close()
-            self.slots.pop(self.turn)
-            if len(self.slots) < self.n_active:
-                slot = self._open_next_shard()
-                if slot is not None:  # keep the round-robin position of the finished shard
-                    self.slots.insert(self.turn, slot)
-                    self._files.insert(self.turn, None)
+            # The shard is done: the slot moves on to its next shard, keeping its turn.
+            done = self.slots[self.turn]
+            self._files[self.turn].close()
+            self._files[self.turn] = None
+            empties = [*empties, done["url"]] if done["line"] == 0 else []
+            if empties:
+                log.warning("shard %s is empty", done["url"])
+            following = None if self._dead(empties) else self._slot(done["pos"] + self.n_slots)
+            if following is None:  # this slot has no shards left
+                self.slots.pop(self.turn)
+                self._files.pop(self.turn)
+                empties = []
+            else:
+                self.slots[self.turn] = following
+        if self.repeat:
+            raise ValueError(f"no records in {len(self.urls)} shards: every slot found only "
+                             f"empty shards ({self.urls[:3]}...)")
+        raise StopIteration
 
     def state_dict(self):
-        return self._state(epoch=self.epoch, next_shard=self.next_shard, turn=self.turn,
-                           slots=[dict(s) for s in self.slots], skipped=self.skipped)
+        return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
+                           slots=[dict(s) for s in self.slots])
 
     def load_state_dict(self, state):
         self._load(state)
-        self.epoch, self.next_shard = state["epoch"], state["next_shard"]
+        self.close()
         self.turn, self.skipped = state["turn"], state["skipped"]
         self.slots = [dict(s) for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read

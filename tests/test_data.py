@@ -49,7 +49,7 @@ def ids(stage):
     return [s["input_ids"].tolist() for s in stage]
 
 
-# -- Files ---------------------------------------------------------------------------------------
+# -- Files -----------------------------------------------------------------------------------------
 
 def test_files_reads_shards_in_order(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a1"}, {"text": "a2"}])
@@ -62,8 +62,12 @@ def test_files_round_robin_over_active_shards(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"text": "a1"}, {"text": "a2"}, {"text": "a3"}])
     b = write_jsonl(tmp_path / "b.jsonl", [{"text": "b1"}])
     c = write_jsonl(tmp_path / "c.jsonl", [{"text": "c1"}, {"text": "c2"}])
-    # b ends after one record; c takes its place in the rotation.
-    assert texts(Files([a, b, c], n_active_shards=2)) == ["a1", "b1", "a2", "c1", "a3", "c2"]
+    # Slot 0 reads shards 0, 2 (a, then c), slot 1 reads shard 1 (b) and then has none left.
+    assert texts(Files([a, b, c], n_active_shards=2)) == ["a1", "b1", "a2", "a3", "c1", "c2"]
+    # With repeat, slot 1 goes on with shard 3, which is shard 0 (a) of the next epoch.
+    files = Files([a, b, c], n_active_shards=2, repeat=True)
+    assert [next(files)["text"] for _ in range(8)] == [
+        "a1", "b1", "a2", "a1", "a3", "a2", "c1", "a3"]
 
 
 def test_files_repeat_and_shuffled_shard_order(tmp_path):
@@ -85,7 +89,7 @@ def test_files_empty_shard_and_blank_lines(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data"):
         assert texts(Files([a, str(b)])) == ["x", "y"]
     assert "a.jsonl is empty" in caplog.text
-    with pytest.raises(ValueError, match="all 1 shards are empty"):
+    with pytest.raises(ValueError, match="no records in 1 shards"):
         next(Files([a], repeat=True))
 
 
@@ -102,7 +106,7 @@ def test_expand_urls(tmp_path):
         expand_urls(f"{d}/missing-*.jsonl")
 
 
-# -- Sequence and the simple transforms --------------------------------------------------------------
+# -- Sequence and the simple transforms ------------------------------------------------------------
 
 def test_sequence():
     assert list(Sequence([1, 2, 3])) == [1, 2, 3]
@@ -163,7 +167,7 @@ def test_ensure_bos_eos(toy):
         [3, 4, 0], [0, 3, 0], [0]]
 
 
-# -- Chunk, ConcatChunk, Shuffle, Batch --------------------------------------------------------------
+# -- Chunk, ConcatChunk, Shuffle, Batch ------------------------------------------------------------
 
 def docs_of(*lists):
     return Sequence([{"input_ids": list(x), "text": "dropped"} for x in lists])
@@ -252,7 +256,7 @@ def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     assert out.stdout.strip() == "done"
 
 
-# -- bad input (DESIGN.md section 5) -------------------------------------------------------------------
+# -- bad input (DESIGN.md section 5) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("line, problem", [
     (b'{"text": "unterminated', "JSONDecodeError"),
@@ -320,3 +324,6 @@ def test_files_empty_shards_are_skipped_not_fatal(tmp_path):
     for active in (1, 2, 3):  # several empty shards before the one with data, every epoch
         files = Files(empty + [full], repeat=True, shuffle_shards=True, n_active_shards=active)
         assert [next(files)["text"] for _ in range(5)] == ["x"] * 5
+    # Without shuffle, slot 0 of 2 only ever meets shard 0 (empty): it is dropped, not spun on.
+    files = Files(empty[:1] + [full], repeat=True, n_active_shards=2)
+    assert [next(files)["text"] for _ in range(5)] == ["x"] * 5

@@ -158,6 +158,27 @@ def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
     assert out + list(pipe) == straight
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=7), world=st.sampled_from([1, 2, 4]),
+       slots_per_rank=st.integers(1, 2), shuffle=st.booleans(), seed=st.integers(0, 3),
+       cuts=st.lists(st.integers(0, 30), max_size=2))
+def test_ranks_read_only_their_slots(sizes, world, slots_per_rank, shuffle, seed, cuts):
+    """Files(rank=r, world_size=W) == Stride(Files(), r, W): no rank reads another's shards."""
+    if sum(sizes) == 0 or (0 in sizes and not shuffle):
+        return  # a slot may then meet only empty shards and be dropped, which breaks stride
+    with tempfile.TemporaryDirectory() as d:
+        urls = write_shards(d, sizes, [".jsonl"] * len(sizes), seed)
+        args = dict(repeat=True, shuffle_shards=shuffle, seed=seed,
+                    n_active_shards=world * slots_per_rank)
+        one_rank = Files(urls, **args)
+        global_docs = [next(one_rank)["doc"] for _ in range(30 * world)]
+        for rank in range(world):
+            make = lambda: Files(urls, rank=rank, world_size=world, **args)  # noqa: E731,B023
+            docs = [d["doc"] for d in run_with_cuts(make, cuts, 30)]
+            # Files hands out every record it parses, so this is also all that the rank read.
+            assert docs == global_docs[rank::world]
+
+
 def test_resume_seeks_instead_of_reading(tmp_path):
     """A resumed Files reads (almost) nothing before its offset: measured by the kernel."""
     path = tmp_path / "big.jsonl"
