@@ -1,0 +1,50 @@
+"""Plot a run's training loss, validation loss and throughput from its metrics.jsonl.
+
+    python scripts/plot_metrics.py outputs/demo      # writes outputs/demo/metrics.png
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # draw to a file; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("exp_dir", type=Path, help="an experiment directory of train_llm.py")
+    args = parser.parse_args()
+
+    rows = []
+    for line in (args.exp_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # the torn last line of a run that is being killed
+            pass
+
+    def series(key):
+        points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+        return [step for step, _ in points], [value for _, value in points]
+
+    fig, (loss_ax, speed_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    loss_ax.plot(*series("loss"), linewidth=0.8, label="train loss")
+    loss_ax.plot(*series("val_loss"), "o-", label="validation loss")
+    loss_ax.set_ylabel("loss (nats/token)")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    speed_ax.plot(*series("tokens_per_s"), color="tab:green")
+    speed_ax.set_ylabel("tokens / s")
+    speed_ax.set_xlabel("optimizer step")
+    speed_ax.grid(alpha=0.3)
+    fig.suptitle(args.exp_dir.name)
+    fig.tight_layout()
+    out = args.exp_dir / "metrics.png"
+    fig.savefig(out, dpi=120)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""train_llm.py end to end, run the way a user runs it: as a subprocess from the repo root.
+
+A one-layer, 32-wide model on 32-token sequences keeps a run to a few seconds, most of it
+Python start-up. The reference run trains straight through; the other runs are killed,
+stopped or broken on purpose and must continue from their checkpoints to the very same bits.
+"""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import utils
+
+ROOT = Path(__file__).resolve().parent.parent
+# One thread each: faster for a model this small, and the same float sums in every process.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+MAX_STEPS = 30
+CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng.pt", "loader-rank0.json"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The shipped tiny GPT-2 config, shrunk further."""
+    config = json.loads((ROOT / "assets/tiny-gpt2/config.json").read_text())
+    config.update(n_layer=1, n_embd=32, n_head=2, n_positions=64)
+    path = tmp_path_factory.mktemp("model")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def train_args(save_dir, model, name="run", **overrides):
+    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
+            "seq-length": 32, "batch-size": 4, "max-steps": MAX_STEPS, "lr": 1e-2,
+            "warmup-steps": 5, "log-freq": 5, "val-freq": 10, "val-batches": 2,
+            "ckpt-freq": 10, "wandb": "disabled", "tokenizer-threads": 1}
+    args.update({key.replace("_", "-"): value for key, value in overrides.items()})
+    return [f"--{key}={value}" for key, value in args.items()]
+
+
+def train(args, timeout=120):
+    return subprocess.run([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start(args, log_path):
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def global_step(exp_dir):
+    state = exp_dir / "state.json"  # replaced atomically, so never read half-written
+    return json.loads(state.read_text())["global_step"] if state.exists() else 0
+
+
+def metrics(exp_dir):
+    return [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def wait_for(condition, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"training exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for training"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_model):
+    """The reference: one uninterrupted run (which also records a profiler trace)."""
+    save_dir = tmp_path_factory.mktemp("straight")
+    result = train(train_args(save_dir, tiny_model, profile_steps="3,4"))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "run"
+
+
+def test_trains_and_writes_the_documented_layout(straight, tiny_model):
+    state = json.loads((straight / "state.json").read_text())
+    assert state["global_step"] == MAX_STEPS
+    assert state["tokens_seen"] == MAX_STEPS * 4 * 32
+    assert state["checkpoint"] == f"checkpoints/step-{MAX_STEPS:06d}"
+    assert {"epoch", "wandb_run_id", "config"} <= set(state)
+    # --keep-checkpoints 2: the last two survive, complete; no temporary debris.
+    checkpoints = straight / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000020", "step-000030"]
+    for ckpt in checkpoints.iterdir():
+        assert {p.name for p in ckpt.iterdir()} == CKPT_FILES
+        for name in CKPT_FILES - {"loader-rank0.json"}:
+            torch.load(ckpt / name, weights_only=True)
+    assert list((straight / "profile").glob("rank0-steps3-4.json"))
+
+    rows = metrics(straight)
+    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
+    assert [row["step"] for row in rows if "val_loss" in row] == [10, 20, 30]
+    assert all("tokens_per_s" in row for row in rows if row["step"] % 5 == 0)
+    first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5
+    assert first > 8.5 and last < first - 1.5, (first, last)
+    assert rows[-1]["val_loss"] < rows[0]["loss"] - 1.0
+
+    # The same command again has nothing to do: it says so and exits 0 without writing.
+    before = digest(straight / "metrics.jsonl")
+    result = train(train_args(straight.parent, tiny_model, log_freq=3))
+    assert result.returncode == 0, result.stderr
+    assert "is done" in result.stderr
+    assert digest(straight / "metrics.jsonl") == before
+
+    result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(straight)], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (straight / "metrics.png").stat().st_size > 0
+
+
+def assert_same_run(exp_dir, reference):
+    final = f"checkpoints/step-{MAX_STEPS:06d}"
+    model, expected = (torch.load(d / final / "model.pt", weights_only=True)
+                       for d in (exp_dir, reference))
+    assert model.keys() == expected.keys()
+    for name in model:
+        assert torch.equal(model[name], expected[name]), name
+    for name in ("optimizer.pt", "loader-rank0.json"):
+        assert digest(exp_dir / final / name) == digest(reference / final / name), name
+    # Every step logged exactly once, with the very same numbers.
+    keys = ("step", "loss", "grad_norm", "lr", "val_loss")
+    assert ([[row.get(k) for k in keys] for row in metrics(exp_dir)]
+            == [[row.get(k) for k in keys] for row in metrics(reference)])
+
+
+@pytest.mark.parametrize("ckpt_freq", [7, 1])
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(
+        straight, tiny_model, tmp_path, ckpt_freq):
+    """Kill -9 at a random moment after each new checkpoint: in a step, in validation, in a
+    save (with --ckpt-freq 1 most of the time is spent saving). Rerun until done."""
+    rng = random.Random(ckpt_freq)
+    args = train_args(tmp_path, tiny_model, ckpt_freq=ckpt_freq)
+    exp_dir = tmp_path / "run"
+    kills = 0
+    while kills < 3:
+        resumed_from = global_step(exp_dir)
+        proc = start(args, tmp_path / "log.txt")
+        try:
+            # Wait for evidence of progress, so that every restart gets further.
+            wait_for(lambda: global_step(exp_dir) > resumed_from or proc.poll() is not None,  # noqa: B023
+                     proc)
+            time.sleep(rng.uniform(0, 0.3))
+        finally:
+            proc.kill()
+        if proc.wait() == 0:
+            break  # it finished before the kill
+        kills += 1
+    assert kills > 0
+    result = train(args)
+    assert result.returncode == 0, result.stderr
+    assert_same_run(exp_dir, straight)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
+    args = train_args(tmp_path, tiny_model, max_steps=100_000, ckpt_freq=100_000)
+    exp_dir = tmp_path / "run"
+    proc = start(args, tmp_path / "log.txt")
+    wait_for(lambda: (exp_dir / "metrics.jsonl").exists() and len(metrics(exp_dir)) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    log = (tmp_path / "log.txt").read_text()
+    assert "rerun the same command to resume" in log
+    stopped_at = metrics(exp_dir)[-1]["step"]
+    assert global_step(exp_dir) == stopped_at
+    # --max-steps may change on resume; the run says that it resumes, and finishes.
+    result = train(train_args(tmp_path, tiny_model, max_steps=stopped_at + 5))
+    assert result.returncode == 0, result.stderr
+    assert f"from checkpoints/step-{stopped_at:06d}" in result.stderr
+    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, stopped_at + 6))
+
+
+@pytest.mark.parametrize("flag, value", [("seq_length", 64), ("seed", 1),
+                                         ("dataset", "data/sample/code/train-*.jsonl")])
+def test_resuming_with_a_changed_argument_is_refused(straight, tiny_model, flag, value):
+    before = digest(straight / "state.json")
+    result = train(train_args(straight.parent, tiny_model, **{flag: value}))
+    assert result.returncode != 0
+    assert f"--{flag.replace('_', '-')} was" in result.stderr
+    assert digest(straight / "state.json") == before
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
+    # An absurd learning rate: step 1 computes a finite loss, then its update blows the
+    # weights up to ~1e30, so step 2's forward overflows.
+    exp_dir = tmp_path / "run"
+    result = train(train_args(tmp_path, tiny_model, lr=1e30, warmup_steps=0, max_steps=1))
+    assert result.returncode == 0, result.stderr
+    files = [exp_dir / "state.json", *sorted((exp_dir / "checkpoints").rglob("*"))]
+    before = {path: digest(path) for path in files if path.is_file()}
+
+    result = train(train_args(tmp_path, tiny_model, lr=1e30, warmup_steps=0, max_steps=3))
+    assert result.returncode != 0
+    assert "Step 2: loss" in result.stderr and "Stopping without a checkpoint" in result.stderr
+    assert "last good one is checkpoints/step-000001" in result.stderr
+    after = [exp_dir / "state.json", *sorted((exp_dir / "checkpoints").rglob("*"))]
+    assert {path: digest(path) for path in after if path.is_file()} == before
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The write order of utils.save_checkpoint, checked without a subprocess: the save
+    dies after its first file, as if killed."""
+    state = {"global_step": 1}
+    utils.save_checkpoint(tmp_path, 1, {"a.pt": torch.ones(3), "b.json": {}}, state, keep=1)
+
+    real_save = torch.save
+
+    def save_then_die(obj, f):  # writes the first file, dies in the second
+        monkeypatch.setattr(torch, "save", lambda *args: sys.exit("killed"))
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", save_then_die)
+    with pytest.raises(SystemExit):
+        utils.save_checkpoint(tmp_path, 2, {"a.pt": torch.ones(3), "b.pt": 1}, dict(state),
+                              keep=1)
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "state.json").read_text())["checkpoint"] == \
+        "checkpoints/step-000001"
+    assert torch.equal(utils.load(tmp_path / "checkpoints/step-000001/a.pt", "cpu"),
+                       torch.ones(3))
+    utils.discard_after(tmp_path, 1)  # what a resume does first
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]

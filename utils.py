@@ -1,0 +1,277 @@
+"""Helpers for train_llm.py: timing, garbage collection, memory, MFU, profiling, checkpoint files.
+
+Nothing here decides how training goes; it measures it, or moves bytes to and from disk.
+"""
+
+import contextlib
+import gc
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GiB = 2**30
+
+
+class Timer:
+    """Adds up the wall time spent inside ``with timer:`` blocks.
+
+    CUDA kernels run asynchronously: without a synchronize on both ends, a block would be
+    charged only for queueing its kernels and the next block for waiting on them. The
+    synchronizes cost a little CPU/GPU overlap; the honest breakdown is worth it.
+    """
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.total = 0.0
+
+    def __enter__(self):
+        self.sync()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.sync()
+        self.total += time.perf_counter() - self.start
+
+    def pop(self):
+        """Seconds accumulated since the last pop()."""
+        total, self.total = self.total, 0.0
+        return total
+
+
+class GarbageCollection:
+    """Python's automatic GC runs whenever allocation counters say so: a random pause in a
+    random step (and, with many ranks, a straggler that every other rank waits for). We turn
+    it off and collect the young generations ourselves every ``freq`` steps. Reference cycles
+    still get freed, just at a moment we choose.
+    """
+
+    def __init__(self, freq):
+        self.freq = freq
+        gc.disable()
+        gc.collect()
+
+    def step(self, step):
+        if step % self.freq == 0:
+            gc.collect(1)
+
+
+def memory_stats(device):
+    """Peak memory since the last call, in GiB, and allocator trouble counters on CUDA."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return {
+            "mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
+            "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
+            # Retries mean the caching allocator had to free cached blocks and try again
+            # (fragmentation, close to OOM): a slowdown worth knowing about.
+            "mem/alloc_retries": stats["num_alloc_retries"],
+            "mem/ooms": stats["num_ooms"],
+        }
+    # On CPU: the peak resident set size of the process (kilobytes on Linux, bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mem/peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GiB}
+
+
+# Dense bf16 tensor-core peaks in FLOP/s from the vendors' data sheets (no sparsity).
+# Matched against torch.cuda.get_device_name() in this order, so specific names come first.
+PEAK_BF16_FLOPS = {
+    "B200": 2250e12,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+}
+
+
+def peak_flops(device):
+    """The GPU's peak FLOP/s, or None where MFU means nothing (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def flops_per_token(model, config, seq_length):
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM paper, appendix B).
+
+    6N: each of the N weights does a multiply-add (2 FLOPs) per token forward and twice that
+    backward. N leaves out the input embedding, a table lookup, unless it is tied to the
+    output layer (then it is also that layer's matmul). 12·L·H·Q·T: the attention scores
+    and their weighted sum, which grow with the sequence length T (L layers, H heads of size Q).
+    """
+    n = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embedding:
+        n -= embedding.numel()
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    return 6 * n + 12 * config.num_hidden_layers * heads * head_dim * seq_length
+
+
+def profiler(spec, trace_dir, rank, device, next_step):
+    """A torch.profiler over optimizer steps FIRST..LAST (``spec`` = "FIRST,LAST").
+
+    Use as ``with profiler(...) as prof:`` and call ``prof.step()`` at the end of every step.
+    It writes one Chrome trace per rank (open it in https://ui.perfetto.dev). ``next_step``
+    is the first step this process runs: the profiler counts steps from where it starts.
+    Without a spec, or when those steps are behind us, it is a no-op.
+    """
+    first, last = map(int, spec.split(",")) if spec else (0, -1)
+    if first > last or first < next_step:
+        return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
+    # One warm-up step before the first recorded one, when there is one: the profiler's own
+    # start-up cost lands there instead of in the trace.
+    warmup = 1 if first > next_step else 0
+    trace = Path(trace_dir) / f"rank{rank}-steps{first}-{last}.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(skip_first=first - next_step - warmup, wait=0,
+                                         warmup=warmup, active=last - first + 1, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+        record_shapes=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Random number generators
+# ----------------------------------------------------------------------------------------------
+
+def rng_state():
+    """Every global RNG state, in types that torch.load(weights_only=True) accepts."""
+    version, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "python": random.getstate(),  # a tuple of ints
+        "numpy": (version, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                  cached_gaussian),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
+                         cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint files (layout: DESIGN.md section 3)
+# ----------------------------------------------------------------------------------------------
+
+def load(path, device):
+    # weights_only: a checkpoint is data, and unpickling arbitrary objects could run code.
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path, write):
+    """Write a file and push it to disk before anyone can rely on it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path, text):
+    """Replace ``path`` with ``text`` so a reader sees the old or the new file, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    _write_file(tmp, lambda f: f.write(text.encode()))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _step_dirs(exp_dir):
+    """{step: directory} of the checkpoints that were completely written."""
+    root = exp_dir / "checkpoints"
+    dirs = root.glob("step-*") if root.exists() else []
+    return {int(d.name[5:]): d for d in dirs if d.name[5:].isdigit()}
+
+
+def save_checkpoint(exp_dir, step, files, state, keep):
+    """Write ``files`` ({name: object}) as checkpoints/step-NNNNNN, point state.json at it,
+    then delete all but the newest ``keep`` checkpoints.
+
+    Order is everything: the files are written into step-NNNNNN.tmp and fsynced, the directory
+    is renamed (atomic), and only then is state.json replaced (atomic). A kill at any instant
+    leaves state.json naming a complete checkpoint: the new one or the one before.
+    """
+    final = exp_dir / "checkpoints" / f"step-{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+    tmp.mkdir(parents=True)
+    for name, obj in files.items():
+        if name.endswith(".json"):
+            _write_file(tmp / name, lambda f, obj=obj: f.write(json.dumps(obj).encode()))
+        else:
+            _write_file(tmp / name, lambda f, obj=obj: torch.save(obj, f))
+    # A directory of this name can only be left over from a killed run that never got to
+    # name it in state.json; nothing points to it.
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+    state["checkpoint"] = str(final.relative_to(exp_dir))
+    write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
+
+    for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
+        shutil.rmtree(old)
+
+
+def discard_after(exp_dir, step):
+    """Forget what a killed run did after the checkpoint we resume from (``step``).
+
+    It may have logged steps past it and written newer or half-finished checkpoints that
+    state.json never named. They are replaced by what this run does, so that metrics.jsonl
+    holds every step exactly once.
+    """
+    for dir_step, path in _step_dirs(exp_dir).items():
+        if dir_step > step:
+            shutil.rmtree(path)
+    for tmp in (exp_dir / "checkpoints").glob("*.tmp"):
+        shutil.rmtree(tmp)
+    metrics = exp_dir / "metrics.jsonl"
+    if metrics.exists():
+        kept = []
+        for line in metrics.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+            except ValueError:  # the torn last line of a killed write
+                pass
+        write_atomic(metrics, "".join(kept))
+
+
+def source_epoch(loader_state):
+    """The epoch (pass over the training shards) that a pipeline's source is in."""
+    while "upstream" in loader_state:
+        loader_state = loader_state["upstream"]
+    return loader_state["epoch"]
