@@ -66,8 +66,9 @@ def main():
                          f"and is {fingerprint.get(name)!r} now. Resuming would train a "
                          "different run: pass the old value, or start a new --experiment-name.")
         if state["global_step"] >= args.max_steps:
-            LOGGER.info(f"{exp_dir} is done: step {state['global_step']} of --max-steps "
-                        f"{args.max_steps}. Raise --max-steps to train further.")
+            LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']}: it is done, at step "
+                        f"{state['global_step']} of --max-steps {args.max_steps}. Raise "
+                        "--max-steps to train further.")
             return
         LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']}")
     else:
