@@ -135,7 +135,8 @@ class Files(Stage):
                        "seed": seed, "n_active_shards": n_active_shards, "rank": rank,
                        "world_size": world_size}
         # Open slots: "pos" is the shard's place in the endless sequence of epochs, "offset"
-        # the byte where its next record starts, "line" the lines read so far.
+        # the byte where its next record starts, "line" the lines read so far ("records" of
+        # them were records handed out).
         self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
         self.slots = [slot for slot in self.slots if slot is not None]
         self.turn = 0         # which slot gives the next record
@@ -154,7 +155,7 @@ class Files(Stage):
             # Slots are an epoch or so apart at most: forget orders older than that.
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
             self._orders[epoch] = order
-        return {"pos": pos, "url": self._orders[epoch][i], "offset": 0, "line": 0}
+        return {"pos": pos, "url": self._orders[epoch][i], "offset": 0, "line": 0, "records": 0}
 
     @property
     def epoch(self):
@@ -186,7 +187,7 @@ class Files(Stage):
         while True:
             try:
                 line = self._files[i].readline()
-            except (OSError, EOFError, ValueError) as e:  # truncated/corrupt compressed data
+            except Exception as e:  # truncated/corrupt compressed data, a failed network read
                 raise OSError(f"shard {slot['url']}: read failed after line {slot['line']}: "
                               f"{type(e).__name__}: {e}") from e
             if not line:
@@ -202,6 +203,7 @@ class Files(Stage):
                 missing = [k for k in self.required_fields if k not in record]
                 if missing:
                     raise ValueError(f"missing field(s) {missing}; it has {sorted(record)}")
+                slot["records"] += 1
                 return record
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
                 msg = (f"shard {slot['url']}, line {slot['line']}: bad record: "
@@ -230,9 +232,10 @@ class Files(Stage):
             done = self.slots[self.turn]
             self._files[self.turn].close()
             self._files[self.turn] = None
-            empties = [*empties, done["url"]] if done["line"] == 0 else []
+            # Blank lines and skipped bad records don't make a shard non-empty: records do.
+            empties = [*empties, done["url"]] if done["records"] == 0 else []
             if empties:
-                log.warning("shard %s is empty", done["url"])
+                log.warning("shard %s has no records", done["url"])
             following = None if self._dead(empties) else self._slot(done["pos"] + self.n_slots)
             if following is None:  # this slot has no shards left
                 self.slots.pop(self.turn)
@@ -443,9 +446,9 @@ class Tokenize(Stage):
                 self._submit()
             if not self._inflight:
                 raise StopIteration
-            self._batch_state, future = self._inflight.popleft()
-            self._batch, self._pos = future.result(), self._skip
-            self._skip = 0
+            state, future = self._inflight.popleft()
+            self._batch = future.result()  # raises what the worker raised
+            self._batch_state, self._pos, self._skip = state, self._skip, 0
         sample = self._batch[self._pos]
         self._pos += 1
         return sample
@@ -684,6 +687,8 @@ class Prefetch(Stage):
     def __next__(self):
         if self._end is not None:
             raise self._end
+        if self._stop.is_set():
+            raise RuntimeError("Prefetch: next() after close()")
         if self._thread is None:
             self._last_state = self.src.state_dict()
             self._thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")

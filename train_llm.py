@@ -286,10 +286,11 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
     the shards forever, in a seeded order reshuffled every epoch, and shuffles chunks in a
     buffer. Validation reads its shards once, in order.
     """
+    # Each rank opens only its own shard slots (4 of them in all, so 1, 2 or 4 ranks) and reads
+    # documents rank, rank + W, ... of the one global order: nothing read is thrown away.
     pipe = data.Files(urls, repeat=train, shuffle_shards=train, seed=args.seed,
-                      n_active_shards=4, required_fields=["text"])
-    if world_size > 1:  # each rank trains on its own documents
-        pipe = data.Stride(pipe, rank, world_size)
+                      n_active_shards=4, required_fields=["text"], rank=rank,
+                      world_size=world_size)
     pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads)
     pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
     pipe = data.ConcatChunk(pipe, args.seq_length)

@@ -50,7 +50,7 @@ class Timer:
 class GarbageCollection:
     """Python's automatic GC runs whenever allocation counters say so: a random pause in a
     random step (and, with many ranks, a straggler that every other rank waits for). We turn
-    it off and collect the young generations ourselves every ``freq`` steps. Reference cycles
+    it off and run a full collection ourselves every ``freq`` steps. Reference cycles
     still get freed, just at a moment we choose.
     """
 
@@ -61,7 +61,7 @@ class GarbageCollection:
 
     def step(self, step):
         if step % self.freq == 0:
-            gc.collect(1)
+            gc.collect()  # all generations: what survives long enough to be old is still freed
 
 
 def memory_stats(device):

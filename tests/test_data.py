@@ -88,7 +88,7 @@ def test_files_empty_shard_and_blank_lines(tmp_path, caplog):
     b.write_text('{"text": "x"}\n\n{"text": "y"}')  # blank line, no final newline
     with caplog.at_level(logging.WARNING, logger="data"):
         assert texts(Files([a, str(b)])) == ["x", "y"]
-    assert "a.jsonl is empty" in caplog.text
+    assert "a.jsonl has no records" in caplog.text
     with pytest.raises(ValueError, match="no records in 1 shards"):
         next(Files([a], repeat=True))
 
@@ -228,6 +228,11 @@ def test_prefetch_same_items_and_errors():
         next(p)  # stays failed
     p.close()
     p.close()
+    p = Prefetch(Sequence(range(10)), 2)
+    next(p)
+    p.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        next(p)  # an error, not a hang
 
 
 def test_prefetch_close_stops_a_blocked_producer():
@@ -327,3 +332,20 @@ def test_files_empty_shards_are_skipped_not_fatal(tmp_path):
     # Without shuffle, slot 0 of 2 only ever meets shard 0 (empty): it is dropped, not spun on.
     files = Files(empty[:1] + [full], repeat=True, n_active_shards=2)
     assert [next(files)["text"] for _ in range(5)] == ["x"] * 5
+    # Shards of blank lines or skipped bad records are as empty as empty files.
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="no records in 2 shards"):
+        next(Files([str(blank), str(bad)], repeat=True, skip_bad_records=True))
+
+
+def test_corrupt_zstd_names_the_shard(tmp_path):
+    path = tmp_path / "bad.jsonl.zst"
+    write_jsonl(path, [{"text": f"record {i}"} for i in range(100)])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = b"\x00" * (len(data) - len(data) // 2)
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError, match=r"bad.jsonl.zst: read failed after line \d+"):
+        list(Files(str(path)))
