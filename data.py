@@ -556,6 +556,104 @@ class ConcatChunk(Stage):
         self.buf, self.pos = array.array("q", state["rest"]), 0
 
 
+class Pad(Stage):
+    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
+
+    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
+    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
+    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
+    an error unless ``truncate=True``.
+    """
+
+    def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
+        self.src, self.length, self.pad_id = src, length, pad_id
+        self.label_pad_id, self.truncate = label_pad_id, truncate
+        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
+                       "truncate": truncate}
+
+    def __next__(self):
+        ids, labels = _ids_and_labels(next(self.src))
+        if len(ids) > self.length:
+            if not self.truncate:
+                raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
+                                 f"length={self.length}; pass truncate=True to cut such samples")
+            ids, labels = ids[:self.length], labels[:self.length]
+        pad = self.length - len(ids)
+        return {"input_ids": torch.tensor(ids + [self.pad_id] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                "labels": torch.tensor(labels + [self.label_pad_id] * pad)}
+
+
+class Pack(Stage):
+    """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
+
+    A sample is never split: when the next one does not fit, the sequence is padded and the
+    sample starts the next one (it waits in the state). An over-long sample is truncated, or
+    dropped (and counted) with ``discard_long=True``. ``position_ids`` restart at 0 for every
+    packed sample, so attention that supports packing can keep samples apart; the first label
+    of each sample is ``label_pad_id``, so no sample is trained to predict the next one's start.
+    """
+
+    def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
+        self.src, self.length, self.pad_id = src, length, pad_id
+        self.label_pad_id, self.discard_long = label_pad_id, discard_long
+        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
+                       "discard_long": discard_long}
+        self.pending = None  # [ids, labels] of the sample that did not fit the last sequence
+        self.discarded = 0
+
+    def _next_sample(self):
+        while True:
+            ids, labels = _ids_and_labels(next(self.src))
+            if len(ids) <= self.length:
+                return [ids, labels]
+            if not self.discard_long:
+                return [ids[:self.length], labels[:self.length]]
+            self.discarded += 1
+            log.warning("Pack: dropped a sample of %d tokens (> %d); %d so far", len(ids),
+                        self.length, self.discarded)
+
+    def __next__(self):
+        ids, labels, positions = [], [], []
+        while True:
+            if self.pending is None:
+                try:
+                    self.pending = self._next_sample()
+                except StopIteration:
+                    if not ids:
+                        raise
+                    break
+            sample_ids, sample_labels = self.pending
+            if len(ids) + len(sample_ids) > self.length:
+                break
+            ids += sample_ids
+            labels += ([self.label_pad_id] + sample_labels[1:]) if sample_labels else []
+            positions += range(len(sample_ids))
+            self.pending = None
+        pad = self.length - len(ids)
+        return {"input_ids": torch.tensor(ids + [self.pad_id] * pad),
+                "labels": torch.tensor(labels + [self.label_pad_id] * pad),
+                "position_ids": torch.tensor(positions + [0] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad)}
+
+    def state_dict(self):
+        return self._state(pending=self.pending, discarded=self.discarded)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.pending, self.discarded = state["pending"], state["discarded"]
+
+
+def _ids_and_labels(sample):
+    ids = sample["input_ids"]
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    labels = sample.get("labels", ids)
+    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
+    if len(labels) != len(ids):
+        raise ValueError(f"a sample has {len(ids)} input_ids but {len(labels)} labels")
+    return ids, labels
+
+
 def to_json(sample):
     """A sample as JSON-able data: tensors become {"__tensor__": list, "dtype": name}."""
     if isinstance(sample, torch.Tensor):

@@ -70,7 +70,8 @@ def main():
                         f"{state['global_step']} of --max-steps {args.max_steps}. Raise "
                         "--max-steps to train further.")
             return
-        LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']}")
+        LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']} "
+                    f"(step {state['global_step']} of {args.max_steps})")
     else:
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                  "wandb_run_id": None, "config": fingerprint}
@@ -197,7 +198,7 @@ def main():
             loss_sum = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timers["data"]:  # next() by hand, so the wait for data is measured
-                    input_ids = next(train_loader)["input_ids"].to(device, non_blocking=True)
+                    input_ids = next(train_loader)["input_ids"].to(device)
                 with timers["forward"], autocast():
                     logits = model(input_ids=input_ids).logits
                     loss = per_sequence_loss(logits, input_ids).mean() / args.grad_accum
@@ -351,23 +352,23 @@ def get_parser():
         help="load the weights of --model-name instead of initializing them randomly")
     add("--save-dir", default="outputs", help="where experiment directories are created")
     add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
-    add("--max-steps", type=int, default=300,
+    add("--max-steps", type=int, default=600,
         help="optimizer steps to train for (may be raised on resume)")
-    add("--lr", type=float, default=3e-3, help="peak learning rate, reached after warmup")
-    add("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
+    add("--lr", type=float, default=4e-3, help="peak learning rate, reached after warmup")
+    add("--warmup-steps", type=int, default=60, help="steps of linear learning-rate warmup")
     add("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
     add("--grad-clip", type=float, default=1.0,
         help="clip the global gradient norm to this (inf: never)")
-    add("-b", "--batch-size", type=int, default=16, help="sequences per micro-batch (per rank)")
+    add("-b", "--batch-size", type=int, default=8, help="sequences per micro-batch (per rank)")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
     add("--log-freq", type=int, default=10, help="print throughput, memory and MFU every N steps")
-    add("--ckpt-freq", type=int, default=100, help="save a checkpoint every N steps")
+    add("--ckpt-freq", type=int, default=200, help="save a checkpoint every N steps")
     add("--keep-checkpoints", type=int, default=2,
         help="how many newest checkpoints to keep (0: all)")
-    add("--val-freq", type=int, default=100, help="compute the validation loss every N steps")
-    add("--val-batches", type=int, default=8, help="batches of --val-dataset in the validation set")
+    add("--val-freq", type=int, default=200, help="compute the validation loss every N steps")
+    add("--val-batches", type=int, default=16, help="batches of --val-dataset to validate on")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline",
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
     add("--compile", action="store_true", help="torch.compile the model")

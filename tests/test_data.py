@@ -20,6 +20,8 @@ from data import (
     Files,
     Filter,
     Map,
+    Pack,
+    Pad,
     Prefetch,
     Sequence,
     Shuffle,
@@ -349,3 +351,39 @@ def test_corrupt_zstd_names_the_shard(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(OSError, match=r"bad.jsonl.zst: read failed after line \d+"):
         list(Files(str(path)))
+
+
+# -- Pad and Pack (fine-tuning) -----------------------------------------------------------------
+
+def test_pad():
+    src = Sequence([{"input_ids": [5, 6, 7]},
+                    {"input_ids": [5, 6], "labels": [-100, 6]}])  # a masked prompt token
+    out = [{k: v.tolist() for k, v in s.items()} for s in Pad(src, 4, pad_id=1)]
+    assert out == [
+        {"input_ids": [5, 6, 7, 1], "attention_mask": [1, 1, 1, 0], "labels": [5, 6, 7, -100]},
+        {"input_ids": [5, 6, 1, 1], "attention_mask": [1, 1, 0, 0],
+         "labels": [-100, 6, -100, -100]}]
+    with pytest.raises(ValueError, match="3 tokens is longer than length=2"):
+        next(Pad(Sequence([{"input_ids": [5, 6, 7]}]), 2, pad_id=1))
+    cut = next(Pad(Sequence([{"input_ids": [5, 6, 7]}]), 2, pad_id=1, truncate=True))
+    assert cut["input_ids"].tolist() == [5, 6] and cut["labels"].tolist() == [5, 6]
+
+
+def test_pack():
+    src = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]},
+           {"input_ids": [6, 7, 8, 9]}, {"input_ids": [10, 11, 12, 13, 14, 15, 16]},
+           {"input_ids": [17]}]
+    out = [{k: v.tolist() for k, v in s.items()} for s in Pack(Sequence(src), 6, pad_id=0)]
+    assert out == [
+        {"input_ids": [1, 2, 3, 4, 5, 0], "labels": [-100, 2, 3, -100, 5, -100],
+         "position_ids": [0, 1, 2, 0, 1, 0], "attention_mask": [1, 1, 1, 1, 1, 0]},
+        {"input_ids": [6, 7, 8, 9, 0, 0], "labels": [-100, 7, 8, 9, -100, -100],
+         "position_ids": [0, 1, 2, 3, 0, 0], "attention_mask": [1, 1, 1, 1, 0, 0]},
+        {"input_ids": [10, 11, 12, 13, 14, 15], "labels": [-100, 11, 12, 13, 14, 15],
+         "position_ids": [0, 1, 2, 3, 4, 5], "attention_mask": [1, 1, 1, 1, 1, 1]},  # truncated
+        {"input_ids": [17, 0, 0, 0, 0, 0], "labels": [-100, -100, -100, -100, -100, -100],
+         "position_ids": [0, 0, 0, 0, 0, 0], "attention_mask": [1, 0, 0, 0, 0, 0]}]
+    dropped = Pack(Sequence(src), 6, discard_long=True)
+    assert [s["input_ids"].tolist() for s in dropped] == [[1, 2, 3, 4, 5, 0],
+                                                          [6, 7, 8, 9, 17, 0]]
+    assert dropped.state_dict()["discarded"] == 1

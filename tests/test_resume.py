@@ -24,6 +24,8 @@ from data import (
     EnsureBosEos,
     Files,
     Filter,
+    Pack,
+    Pad,
     Prefetch,
     Sequence,
     Shuffle,
@@ -66,7 +68,7 @@ pipelines = st.fixed_dictionaries({
     "filter": st.booleans(),
     "threads": st.integers(1, 3),
     "tok_batch": st.integers(1, 6),
-    "chunk": st.sampled_from(["concat", "chunk", "chunk_keep", "none"]),
+    "chunk": st.sampled_from(["concat", "chunk", "chunk_keep", "pad", "pack", "none"]),
     "length": st.integers(1, 9),
     "shuffle": st.none() | st.integers(1, 6),
     "batch": st.none() | st.integers(1, 3),
@@ -89,9 +91,13 @@ def build(urls, p):
         pipe = ConcatChunk(pipe, p["length"])
     elif p["chunk"] in ("chunk", "chunk_keep"):
         pipe = Chunk(pipe, p["length"], drop_remainder=p["chunk"] == "chunk")
+    elif p["chunk"] == "pad":
+        pipe = Pad(pipe, p["length"], pad_id=2, truncate=True)
+    elif p["chunk"] == "pack":
+        pipe = Pack(pipe, p["length"], discard_long=p["seed"] % 2 == 1)
     if p["shuffle"]:
         pipe = Shuffle(pipe, p["shuffle"], seed=p["seed"])
-    if p["batch"] and p["chunk"] in ("concat", "chunk"):  # equal lengths: stackable
+    if p["batch"] and p["chunk"] in ("concat", "chunk", "pad", "pack"):  # equal lengths
         pipe = Batch(pipe, p["batch"])
     if p["prefetch"]:
         pipe = Prefetch(pipe, p["prefetch"])

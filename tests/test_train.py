@@ -29,9 +29,11 @@ CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng.pt", "loader-r
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """The shipped tiny GPT-2 config, shrunk further."""
+    """The shipped tiny GPT-2 config, shrunk further, with dropout: so that the RNG state too
+    must come back exactly on resume."""
     config = json.loads((ROOT / "assets/tiny-gpt2/config.json").read_text())
-    config.update(n_layer=1, n_embd=32, n_head=2, n_positions=64)
+    config.update(n_layer=1, n_embd=32, n_head=2, n_positions=64, resid_pdrop=0.1,
+                  embd_pdrop=0.1, attn_pdrop=0.1)
     path = tmp_path_factory.mktemp("model")
     (path / "config.json").write_text(json.dumps(config))
     return path
