@@ -94,7 +94,8 @@ def build(urls, p):
     elif p["chunk"] == "pad":
         pipe = Pad(pipe, p["length"], pad_id=2, truncate=True)
     elif p["chunk"] == "pack":
-        pipe = Pack(pipe, p["length"], discard_long=p["seed"] % 2 == 1)
+        # Dropping over-long samples of an endless stream may drop forever, like a Filter.
+        pipe = Pack(pipe, p["length"], discard_long=not p["repeat"] and p["seed"] % 2 == 1)
     if p["shuffle"]:
         pipe = Shuffle(pipe, p["shuffle"], seed=p["seed"])
     if p["batch"] and p["chunk"] in ("concat", "chunk", "pad", "pack"):  # equal lengths
