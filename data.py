@@ -130,7 +130,7 @@ class Files(Stage):
         self.n_slots = n_active_shards
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
-        self._orders = {}  # epoch -> shard order, for the epochs being read
+        self._order = (None, None)  # (epoch, shard order) of the last shard opened
         self.config = {"urls": self.urls, "repeat": repeat, "shuffle_shards": shuffle_shards,
                        "seed": seed, "n_active_shards": n_active_shards, "rank": rank,
                        "world_size": world_size}
@@ -148,14 +148,12 @@ class Files(Stage):
         epoch, i = divmod(pos, len(self.urls))
         if epoch > 0 and not self.repeat:
             return None
-        if epoch not in self._orders:
+        if self._order[0] != epoch:  # derived from (seed, epoch), so never saved
             order = list(self.urls)
-            if self.shuffle_shards:  # seeded by (seed, epoch): any epoch's order, unsaved
+            if self.shuffle_shards:
                 random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            # Slots are an epoch or so apart at most: forget orders older than that.
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = order
-        return {"pos": pos, "url": self._orders[epoch][i], "offset": 0, "line": 0, "records": 0}
+            self._order = (epoch, order)
+        return {"pos": pos, "url": self._order[1][i], "offset": 0, "line": 0, "records": 0}
 
     @property
     def epoch(self):
@@ -455,7 +453,7 @@ class Tokenize(Stage):
 
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
-            return {"config": self.config, "upstream": self.src.state_dict(), "skip": self._skip}
+            return self._state(skip=self._skip)
         return {"config": self.config, "upstream": self._batch_state, "skip": self._pos}
 
     def load_state_dict(self, state):
@@ -578,10 +576,7 @@ class Pad(Stage):
                 raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
                                  f"length={self.length}; pass truncate=True to cut such samples")
             ids, labels = ids[:self.length], labels[:self.length]
-        pad = self.length - len(ids)
-        return {"input_ids": torch.tensor(ids + [self.pad_id] * pad),
-                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-                "labels": torch.tensor(labels + [self.label_pad_id] * pad)}
+        return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
 
 
 class Pack(Stage):
@@ -630,11 +625,9 @@ class Pack(Stage):
             labels += ([self.label_pad_id] + sample_labels[1:]) if sample_labels else []
             positions += range(len(sample_ids))
             self.pending = None
-        pad = self.length - len(ids)
-        return {"input_ids": torch.tensor(ids + [self.pad_id] * pad),
-                "labels": torch.tensor(labels + [self.label_pad_id] * pad),
-                "position_ids": torch.tensor(positions + [0] * pad),
-                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad)}
+        out = _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
+        out["position_ids"] = torch.tensor(positions + [0] * (self.length - len(ids)))
+        return out
 
     def state_dict(self):
         return self._state(pending=self.pending, discarded=self.discarded)
@@ -642,6 +635,14 @@ class Pack(Stage):
     def load_state_dict(self, state):
         self._load(state)
         self.pending, self.discarded = state["pending"], state["discarded"]
+
+
+def _padded(ids, labels, length, pad_id, label_pad_id):
+    """input_ids, attention_mask and labels of one sequence, padded to ``length``."""
+    pad = length - len(ids)
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            "labels": torch.tensor(labels + [label_pad_id] * pad)}
 
 
 def _ids_and_labels(sample):
