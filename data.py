@@ -107,7 +107,8 @@ class Files(Stage):
     The stream is a round-robin over ``n_active_shards`` shard *slots*, one record from each
     in turn, which mixes documents of different shards without a big shuffle buffer. Slot s
     reads its own fixed sequence of shards: positions s, s + S, s + 2S, ... of the shard order
-    (epoch after epoch with ``repeat``; each epoch reshuffled with ``shuffle_shards``). Fixed
+    (epoch after epoch with ``repeat``, forever or for ``epochs`` passes; each epoch reshuffled
+    with ``shuffle_shards``). Fixed
     sequences are what let ranks split the work without reading what they throw away: with
     ``rank=r, world_size=W`` (W dividing S) only the slots s = r (mod W) are read, and the
     result is exactly ``Stride(Files(...), r, W)`` of the one-rank stream while no slot has
@@ -119,19 +120,21 @@ class Files(Stage):
     without them a bad record, reported with shard and line like malformed JSON.
     """
 
-    def __init__(self, urls, *, repeat=False, shuffle_shards=False, seed=0, n_active_shards=1,
-                 skip_bad_records=False, required_fields=(), transport_params=None,
-                 rank=0, world_size=1):
+    def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
+                 n_active_shards=1, skip_bad_records=False, required_fields=(),
+                 transport_params=None, rank=0, world_size=1):
         if n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
                              f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
+        self.epochs = (epochs if repeat else 1) or None  # passes over the shards; None: endless
         self.n_slots = n_active_shards
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
         self._order = (None, None)  # (epoch, shard order) of the last shard opened
-        self.config = {"urls": self.urls, "repeat": repeat, "shuffle_shards": shuffle_shards,
+        self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
+                       "shuffle_shards": shuffle_shards,
                        "seed": seed, "n_active_shards": n_active_shards, "rank": rank,
                        "world_size": world_size}
         # Open slots: "pos" is the shard's place in the endless sequence of epochs, "offset"
@@ -146,7 +149,7 @@ class Files(Stage):
     def _slot(self, pos):
         """A new slot reading the shard at position ``pos``, or None past a finite end."""
         epoch, i = divmod(pos, len(self.urls))
-        if epoch > 0 and not self.repeat:
+        if self.epochs is not None and epoch >= self.epochs:
             return None
         if self._order[0] != epoch:  # derived from (seed, epoch), so never saved
             order = list(self.urls)
@@ -241,7 +244,7 @@ class Files(Stage):
                 empties = []
             else:
                 self.slots[self.turn] = following
-        if self.repeat:
+        if self.epochs is None:
             raise ValueError(f"no records in {len(self.urls)} shards: every slot found only "
                              f"empty shards ({self.urls[:3]}...)")
         raise StopIteration
@@ -262,6 +265,22 @@ class Files(Stage):
             if f is not None:
                 f.close()
         self._files = [None] * len(self.slots)
+
+    def advanced(self, state, n):
+        """The state ``n`` records after ``state``, which any rank of any world size may have
+        saved: resharding uses it to find where a rank's consumer really was."""
+        other = Files.__new__(Files)
+        other.__dict__.update(self.__dict__)
+        other.config = {**self.config, "rank": state["config"]["rank"],
+                        "world_size": state["config"]["world_size"]}
+        other._files = []
+        other.load_state_dict(state)  # also checks that the other arguments are ours
+        try:
+            for _ in range(n):
+                next(other)
+            return other.state_dict()
+        finally:
+            other.close()
 
 
 class Sequence(Stage):
@@ -818,3 +837,71 @@ class Prefetch(Stage):
                     pass
             self._thread = None
         super().close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming on another number of ranks
+# ----------------------------------------------------------------------------------------------
+
+def reshard(pipeline, states):
+    """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states
+    that the W ranks of an earlier run saved, one per rank, in rank order.
+
+    The guarantee: every document is trained on exactly once, as in a run that never stopped;
+    only the order changes. Each source slot (DESIGN.md section 4) continues from where the
+    rank that owned it had read (its Tokenize batch re-read only up to the documents it had
+    handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
+    new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
+    slots and buffers. Stages whose state cannot be split this way (Take, Stride, Chunk, Pack,
+    Sequence) are refused. Returns counts for the log.
+    """
+    files = pipeline
+    while not isinstance(files, Files):
+        if files.src is None:
+            raise ValueError(f"reshard: no Files source under {type(pipeline).__name__}")
+        files = files.src
+    rank, world = files.config["rank"], files.config["world_size"]
+    mine = [i for i in range(len(states)) if i % world == rank]  # old ranks whose buffers we get
+    report = {"old_world_size": len(states), "documents_reread": 0, "sequences_moved": 0,
+              "tokens_moved": 0}
+
+    def merge(stage, olds):
+        name = type(stage).__name__
+        if isinstance(stage, Tokenize):
+            if not isinstance(stage.src, Files):
+                raise ValueError("reshard: Tokenize must read straight from Files")
+            report["documents_reread"] += sum(o["skip"] for o in olds)
+            advanced = [stage.src.advanced(o["upstream"], o["skip"]) for o in olds]
+            return {"config": stage.config, "upstream": merge(stage.src, advanced), "skip": 0}
+        if isinstance(stage, Files):
+            slots = {s["pos"] % stage.n_slots: s for o in olds for s in o["slots"]}
+            keep = sorted(s for s in slots if s % world == rank)
+            # Where one old rank owned exactly these slots, its round-robin turn carries over.
+            turns = [o["turn"] for o in olds
+                     if [s["pos"] % stage.n_slots for s in o["slots"]] == keep]
+            return {"config": stage.config, "turn": turns[0] if turns else 0,
+                    "skipped": sum(o["skipped"] for o in olds) if rank == 0 else 0,
+                    "slots": [slots[s] for s in keep],
+                    "epoch": min((slots[s]["pos"] // len(stage.urls) for s in keep), default=0)}
+        if isinstance(stage, ConcatChunk):
+            rest = [t for i in mine for t in olds[i]["rest"]]
+            report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in mine if i != rank)
+            return {"config": stage.config, "upstream": merge(stage.src, olds), "rest": rest}
+        if isinstance(stage, Shuffle):
+            buffer = [sample for i in mine for sample in olds[i]["buffer"]]
+            report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
+            rng = random.Random()
+            version, internal, gauss = olds[rank % len(olds)]["rng"]
+            rng.setstate((version, tuple(internal), gauss))
+            if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
+                rng.seed(f"{rng.getrandbits(64)}-{rank}")
+            version, internal, gauss = rng.getstate()
+            return {"config": stage.config, "upstream": merge(stage.src, olds), "buffer": buffer,
+                    "exhausted": False, "rng": [version, list(internal), gauss]}
+        if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
+            raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
+        # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.
+        return {"config": stage.config, "upstream": merge(stage.src, [o["upstream"] for o in olds])}
+
+    pipeline.load_state_dict(merge(pipeline, states))
+    return report

@@ -9,6 +9,7 @@ utils.py holds the helpers that measure things and move checkpoint bytes.
 """
 
 import argparse
+import datetime
 import functools
 import json
 import logging
@@ -22,9 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
 import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -35,40 +41,51 @@ LOGGER = logging.getLogger("train_llm")
 
 # Arguments that decide what the next step computes: the data stream, the model and the update
 # rule (the optimizer and scheduler restore their hyperparameters from the checkpoint, so a
-# changed --lr would be silently ignored). Resuming with one of them changed is refused.
-# Everything else (--max-steps, logging, checkpointing, --device, threads) may change.
+# changed --lr would be silently ignored). Resuming with one of them changed is refused. The
+# batch counts as one number, the global batch: --batch-size and --grad-accum may change with
+# the world size. Everything else (--max-steps, logging, checkpointing, threads) may change.
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
-               "seed", "seq_length", "batch_size", "grad_accum", "lr", "min_lr",
-               "warmup_steps", "weight_decay")
+               "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
+               "active_shards", "shuffle_buffer", "epochs", "fsdp")
 
 
 def main():
     args = get_parser().parse_args()
 
-    # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1. Only rank 0 writes
-    # logs, metrics and checkpoints (DESIGN.md section 4 adds the other ranks' parts).
+    # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1. Only rank 0 logs
+    # at INFO level and writes logs, metrics and state.json; every rank writes its loader state.
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     logging.basicConfig(format=f"[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s",
-                        level=logging.INFO)
+                        level=logging.INFO if rank == 0 else logging.WARNING)
     LOGGER.info(args)
 
     # Resume iff state.json exists. It is replaced only after a checkpoint is complete, so it
     # always names one that loads. Check it first: a refusal or "already done" costs nothing.
+    # (Every rank reads it and so takes the same decision.)
     exp_dir = Path(args.save_dir) / args.experiment_name
     fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
+    fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
     if (exp_dir / "state.json").exists():
         state = json.loads((exp_dir / "state.json").read_text())
         for name, saved in state["config"].items():
-            if fingerprint.get(name) != saved:
-                sys.exit(f"--{name.replace('_', '-')} was {saved!r} when {exp_dir} was started "
-                         f"and is {fingerprint.get(name)!r} now. Resuming would train a "
-                         "different run: pass the old value, or start a new --experiment-name.")
-        if state["global_step"] >= args.max_steps:
+            if fingerprint.get(name) == saved:
+                continue
+            if name == "global_batch":
+                sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
+                         f"{saved} sequences when {exp_dir} was started and is "
+                         f"{fingerprint[name]} now ({args.batch_size} x {args.grad_accum} x "
+                         f"{world_size}). Pick --batch-size and --grad-accum so that it stays "
+                         f"{saved}, or start a new --experiment-name.")
+            sys.exit(f"--{name.replace('_', '-')} was {saved!r} when {exp_dir} was started "
+                     f"and is {fingerprint.get(name)!r} now. Resuming would train a "
+                     "different run: pass the old value, or start a new --experiment-name.")
+        if state["global_step"] >= args.max_steps or state.get("data_exhausted"):
             LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']}: it is done, at step "
-                        f"{state['global_step']} of --max-steps {args.max_steps}. Raise "
-                        "--max-steps to train further.")
+                        f"{state['global_step']} of --max-steps {args.max_steps}"
+                        f"{' (its data ran out)' if state.get('data_exhausted') else ''}. "
+                        "Raise --max-steps to train further.")
             return
         LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']} "
                     f"(step {state['global_step']} of {args.max_steps})")
@@ -82,13 +99,6 @@ def main():
         # This run redoes them, so drop them: metrics.jsonl then has every step exactly once.
         utils.discard_after(exp_dir, state["global_step"])
 
-    # The run id is kept in state.json, so a resumed run continues the same wandb curve.
-    # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
-    state["wandb_run_id"] = wandb.init(
-        project="train-llm", name=args.experiment_name, id=state["wandb_run_id"],
-        resume="allow", dir=exp_dir, config=vars(args),
-        mode=args.wandb if rank == 0 else "disabled").id
-
     # Device: a GPU runs matmuls in bf16 under autocast while weights and optimizer state stay
     # float32 (mixed precision). CPUs run plain float32: bf16 is slow on most of them.
     if args.device:
@@ -101,10 +111,28 @@ def main():
         torch.cuda.set_device(device)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16,
                                  enabled=device.type == "cuda")
+    # The process group: NCCL moves GPU tensors, gloo CPU ones. Every collective (all-reduce,
+    # barrier) waits for all ranks; the first step may take long (compile, loading), later
+    # ones not, so the timeout is shortened after it and a hung rank fails fast.
+    distributed = world_size > 1 or args.fsdp
+    if distributed:
+        if "MASTER_ADDR" not in os.environ:
+            sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    barrier = dist.barrier if distributed else (lambda: None)
     LOGGER.info(f"Training on {device}, world size {world_size}")
 
-    # Seed every global RNG a library may draw from (torch also seeds CUDA). This fixes the
-    # initial weights; a resumed run then restores the RNG states saved in its checkpoint.
+    # The run id is kept in state.json, so a resumed run continues the same wandb curve.
+    # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
+    state["wandb_run_id"] = wandb.init(
+        project="train-llm", name=args.experiment_name, id=state["wandb_run_id"],
+        resume="allow", dir=exp_dir, config=vars(args),
+        mode=args.wandb if rank == 0 else "disabled").id
+
+    # Seed every global RNG a library may draw from (torch also seeds CUDA). The same seed on
+    # every rank gives every rank the same initial weights; a resumed run then restores the
+    # RNG states saved in its checkpoint.
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -121,6 +149,24 @@ def main():
         model = AutoModelForCausalLM.from_config(config)
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    ckpt_dir = exp_dir / state["checkpoint"] if state["checkpoint"] else None
+    if ckpt_dir and not args.fsdp:
+        model.load_state_dict(utils.load(ckpt_dir / "model.pt", device))
+    flops_per_token = utils.flops_per_token(model, config, args.seq_length)
+
+    # Data parallelism. DDP keeps a full copy of the model on every rank and averages the
+    # gradients during backward. FSDP2 shards every transformer block's weights, gradients
+    # and optimizer state across ranks and gathers a block's weights just before it runs:
+    # for models whose training state does not fit one GPU.
+    raw_model = model
+    if args.fsdp:
+        for module in model.modules():  # HF models name their transformer block classes
+            if type(module).__name__ in (model._no_split_modules or ()):
+                fully_shard(module)
+        fully_shard(model)
+    elif world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[device] if device.index is not None
+                                        else None)
 
     # AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
     # towards zero does not regularize anything. The fused kernel is one launch per step.
@@ -144,8 +190,9 @@ def main():
 
     # Data: a background thread reads, tokenizes and batches ahead, so the GPU never waits.
     train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True)
-    # Validation always scores the same held-out batches: read once, kept in memory.
-    val_pipeline = build_pipeline(args.val_dataset, tokenizer, args, rank, world_size, train=False)
+    # Validation always scores the same held-out batches, whatever the world size: all ranks
+    # read them (once, kept in memory) and each scores every world_size-th one.
+    val_pipeline = build_pipeline(args.val_dataset, tokenizer, args, 0, 1, train=False)
     val_batches = [batch["input_ids"] for batch in data.Take(val_pipeline, args.val_batches)]
     val_pipeline.close()
     if not val_batches:
@@ -153,20 +200,37 @@ def main():
 
     # Resume: everything that evolves during training comes back from the checkpoint. The RNG
     # states go last, after everything above has drawn from the RNGs.
-    if state["checkpoint"]:
-        ckpt_dir = exp_dir / state["checkpoint"]
-        model.load_state_dict(utils.load(ckpt_dir / "model.pt", device))
-        optimizer.load_state_dict(utils.load(ckpt_dir / "optimizer.pt", device))
+    if ckpt_dir:
+        if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optim_state},
+                     checkpoint_id=ckpt_dir / "dcp")
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=optim_state)
+        else:
+            optimizer.load_state_dict(utils.load(ckpt_dir / "optimizer.pt", device))
         lr_scheduler.load_state_dict(utils.load(ckpt_dir / "lr_scheduler.pt", device))
-        train_loader.load_state_dict(json.loads((ckpt_dir / f"loader-rank{rank}.json").read_text()))
-        utils.set_rng_state(utils.load(ckpt_dir / "rng.pt", "cpu"))
+        saved_world = state.get("world_size", 1)
+        loader_states = [json.loads((ckpt_dir / f"loader-rank{r}.json").read_text())
+                         for r in range(saved_world)]
+        if saved_world == world_size and state.get("batch_size") == args.batch_size:
+            train_loader.load_state_dict(loader_states[rank])
+        else:  # another world size or per-rank batch: see data.reshard for the guarantee
+            report = data.reshard(train_loader, loader_states)
+            LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
+                        f"skipped or repeated; {report}")
+        rng_file = ckpt_dir / f"rng-rank{rank}.pt"
+        utils.set_rng_state(utils.load(rng_file if rng_file.exists()
+                                       else ckpt_dir / "rng-rank0.pt", "cpu"))
+    state["world_size"], state["batch_size"] = world_size, args.batch_size
 
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
-        model.compile()
+        raw_model.compile()
 
     # SIGTERM (preemption, scancel, docker stop) and Ctrl-C only raise a flag: the step in
     # flight finishes, a checkpoint is saved, and the process exits 0. A second signal kills
-    # at once, which is safe too: the last complete checkpoint stays loadable.
+    # at once, which is safe too: the last complete checkpoint stays loadable. (torchrun
+    # forwards SIGTERM to every rank; the ranks agree on stopping at the same step.)
     stop = threading.Event()
 
     def request_stop(signum, frame):
@@ -177,15 +241,33 @@ def main():
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
 
+    def save_checkpoint():
+        """Rank 0 writes the model, optimizer and state.json; every rank its RNG and loader
+        state. With FSDP every rank writes its shards of model and optimizer (DCP)."""
+        loader_state = train_loader.state_dict()
+        state["epoch"] = utils.source_epoch(loader_state)
+        files = {f"rng-rank{rank}.pt": utils.rng_state(device),
+                 f"loader-rank{rank}.json": loader_state}
+        if args.fsdp:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            files["dcp"] = lambda path: dcp.save({"model": model_state, "optimizer": optim_state},
+                                                 checkpoint_id=path)
+        elif rank == 0:
+            files |= {"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict()}
+        if rank == 0:
+            files["lr_scheduler.pt"] = lr_scheduler.state_dict()
+        utils.save_checkpoint(exp_dir, state["global_step"], files, state,
+                              keep=args.keep_checkpoints, rank=rank, barrier=barrier)
+        LOGGER.info(f"Saved {state['checkpoint']}")
+
     timers = {name: utils.Timer(device) for name in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
-    flops_per_token = utils.flops_per_token(model, config, args.seq_length)
     peak_flops = utils.peak_flops(device)
     metrics_file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
     progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps, desc="train",
                          disable=rank != 0)
-    last_log_step = state["global_step"]
+    last_log_step = first_step = state["global_step"]
     profiler = utils.profiler(args.profile_steps, exp_dir / "profile", rank, device,
                               next_step=state["global_step"] + 1)
 
@@ -195,27 +277,46 @@ def main():
             step = state["global_step"] + 1
 
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
+            with timers["data"]:  # next() by hand, so the wait for data is measured
+                batches = [next(train_loader, None) for _ in range(args.grad_accum)]
+            data_left = torch.tensor(float(None not in batches), device=device)
+            if args.epochs and world_size > 1:
+                # With finite data ranks run out at different steps (their shards differ);
+                # all stop together, or the others would wait forever in the next all-reduce.
+                dist.all_reduce(data_left, op=dist.ReduceOp.MIN)
+            if not data_left.item():
+                LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
+                state["data_exhausted"] = True
+                if state["global_step"] > first_step:
+                    save_checkpoint()
+                break
+
             loss_sum = torch.zeros((), device=device)
-            for _ in range(args.grad_accum):
-                with timers["data"]:  # next() by hand, so the wait for data is measured
-                    input_ids = next(train_loader)["input_ids"].to(device)
-                with timers["forward"], autocast():
-                    logits = model(input_ids=input_ids).logits
-                    loss = per_sequence_loss(logits, input_ids).mean() / args.grad_accum
-                # Backward needs no logits ([batch, seq, vocab], the largest activation):
-                # dropping our reference lets them be freed before backward's peak.
-                del logits
-                with timers["backward"]:
-                    loss.backward()
+            for i, batch in enumerate(batches):
+                input_ids = batch["input_ids"].to(device)
+                # Gradients are averaged across ranks once per step, in the last backward.
+                with utils.gradient_sync(model, enabled=i == args.grad_accum - 1):
+                    with timers["forward"], autocast():
+                        logits = model(input_ids=input_ids).logits
+                        loss = per_sequence_loss(logits, input_ids).mean() / args.grad_accum
+                    # Backward needs no logits ([batch, seq, vocab], the largest activation):
+                    # dropping our reference lets them be freed before backward's peak.
+                    del logits
+                    with timers["backward"]:
+                        loss.backward()
                 loss_sum += loss.detach()
 
             with timers["update"]:
+                if world_size > 1:  # the logged loss is the mean over all ranks
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= world_size
                 loss_value = loss_sum.item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                           args.grad_clip).item()
+                grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), args.grad_clip)).item()
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     # Do not save: the weights are about to be garbage, and the last good
-                    # checkpoint must stay the one state.json names.
+                    # checkpoint must stay the one state.json names. (All ranks see the same
+                    # loss and gradient norm, so all stop here.)
                     train_loader.close()
                     sys.exit(f"Step {step}: loss {loss_value}, gradient norm {grad_norm}. "
                              f"Stopping without a checkpoint; the last good one is "
@@ -226,6 +327,8 @@ def main():
                 optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
+            if step == first_step + 1 and distributed:  # past the slow first step
+                utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
 
             metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                        "tokens_seen": state["tokens_seen"]}
@@ -235,7 +338,7 @@ def main():
                 tokens_per_s = (step - last_log_step) * tokens_per_step / step_seconds
                 last_log_step = step
                 metrics |= {
-                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s": tokens_per_s,  # all ranks together
                     # The share of step time spent waiting for data: ideally ~0.
                     "data_wait": seconds["data"] / step_seconds,
                     "mfu": (flops_per_token * tokens_per_s / world_size / peak_flops
@@ -243,28 +346,24 @@ def main():
                     **utils.memory_stats(device),
                 }
             if step % args.val_freq == 0 or step == args.max_steps:
-                metrics["val_loss"] = evaluate(model, val_batches, device, autocast)
+                metrics["val_loss"] = evaluate(model, val_batches, device, autocast, rank,
+                                               world_size)
             if rank == 0:
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
                 wandb.log(metrics, step=step)
             if "tokens_per_s" in metrics or "val_loss" in metrics:
-                LOGGER.info(format_metrics(metrics))
+                LOGGER.info(utils.format_metrics(metrics))
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}")
 
+            if world_size > 1:  # a signal may reach the ranks at different steps
+                stop_flag = torch.tensor(float(stop.is_set()), device=device)
+                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+                if stop_flag.item():
+                    stop.set()
             if step % args.ckpt_freq == 0 or step == args.max_steps or stop.is_set():
-                loader_state = train_loader.state_dict()
-                state["epoch"] = utils.source_epoch(loader_state)
-                if rank == 0:
-                    utils.save_checkpoint(exp_dir, step, {
-                        "model.pt": model.state_dict(),
-                        "optimizer.pt": optimizer.state_dict(),
-                        "lr_scheduler.pt": lr_scheduler.state_dict(),
-                        "rng.pt": utils.rng_state(),
-                        f"loader-rank{rank}.json": loader_state,
-                    }, state, keep=args.keep_checkpoints)
-                    LOGGER.info(f"Saved {state['checkpoint']}")
+                save_checkpoint()
             gc_control.step(step)
             prof.step()
             if stop.is_set():
@@ -276,27 +375,35 @@ def main():
     if metrics_file:
         metrics_file.close()
     wandb.finish()
+    if distributed:
+        dist.destroy_process_group()
     if not stop.is_set():
-        LOGGER.info(f"Done: {args.max_steps} steps, {state['tokens_seen']:,} tokens.")
+        LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens.")
 
 
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
     """JSONL documents -> token ids -> chunks of --seq-length -> batches [batch, seq_length].
 
-    Both read four shards at a time, round-robin, so that a batch mixes domains. Training reads
-    the shards forever, in a seeded order reshuffled every epoch, and shuffles chunks in a
-    buffer. Validation reads its shards once, in order.
+    Training reads --active-shards shards at a time, round-robin, so that a batch mixes
+    domains; it reads them forever (or for --epochs passes), in a seeded order reshuffled every
+    epoch, and shuffles chunks in a buffer. Validation reads its shards once, in order.
     """
-    # Each rank opens only its own shard slots (4 of them in all, so 1, 2 or 4 ranks) and reads
-    # documents rank, rank + W, ... of the one global order: nothing read is thrown away.
-    pipe = data.Files(urls, repeat=train, shuffle_shards=train, seed=args.seed,
-                      n_active_shards=4, required_fields=["text"], rank=rank,
-                      world_size=world_size)
+    # The global document order is a round-robin over the shard slots and does not depend on
+    # the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it reads
+    # documents r, r + W, ... of that order and nothing it would throw away.
+    slots = args.active_shards if train else 4
+    if slots % world_size:
+        sys.exit(f"--active-shards {slots} is not a multiple of the world size {world_size}: "
+                 "every rank reads whole shard slots. Pass a multiple of it (and keep it on "
+                 "resume: it shapes the data order).")
+    pipe = data.Files(urls, repeat=train, epochs=args.epochs, shuffle_shards=train,
+                      seed=args.seed, n_active_shards=slots, required_fields=["text"],
+                      rank=rank, world_size=world_size)
     pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads)
     pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
     pipe = data.ConcatChunk(pipe, args.seq_length)
     if train:
-        pipe = data.Shuffle(pipe, 1000, seed=args.seed)
+        pipe = data.Shuffle(pipe, args.shuffle_buffer, seed=args.seed)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
     return data.Prefetch(pipe) if train else pipe
 
@@ -313,28 +420,25 @@ def per_sequence_loss(logits, input_ids):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast):
-    """Mean loss over the validation batches (eval mode: no dropout, no RNG drawn)."""
+def evaluate(model, batches, device, autocast, rank, world_size):
+    """Mean loss over the validation batches (eval mode: no dropout, no RNG drawn).
+
+    Rank r scores batches r, r + W, ...; the sums meet in an all-reduce. Every rank runs the
+    same number of forward passes (under FSDP each is a collective): a rank short of a batch
+    scores batch 0 again and does not count it.
+    """
     model.eval()
-    losses = []
-    for input_ids in batches:
-        input_ids = input_ids.to(device)
+    total = torch.zeros(2, device=device)  # loss sum, sequence count
+    for i in range(rank, -(-len(batches) // world_size) * world_size, world_size):
+        input_ids = batches[i % len(batches)].to(device)
         with autocast():
-            losses.append(per_sequence_loss(model(input_ids=input_ids).logits, input_ids))
+            losses = per_sequence_loss(model(input_ids=input_ids).logits, input_ids)
+        if i < len(batches):
+            total += torch.stack([losses.sum(), torch.tensor(float(len(losses)), device=device)])
+    if world_size > 1:
+        dist.all_reduce(total)
     model.train()
-    return torch.cat(losses).mean().item()
-
-
-def format_metrics(m):
-    line = f"step {m['step']} | loss {m['loss']:.4f} | lr {m['lr']:.2e}"
-    if "val_loss" in m:
-        line += f" | val loss {m['val_loss']:.4f}"
-    if "tokens_per_s" in m:
-        memory = " ".join(f"{k[4:]} {v:.3g}" for k, v in m.items() if k.startswith("mem/"))
-        mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a"
-        line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}"
-                 f" | MFU {mfu} | {memory}")
-    return line
+    return (total[0] / total[1]).item()
 
 
 def get_parser():
@@ -363,6 +467,11 @@ def get_parser():
     add("-b", "--batch-size", type=int, default=8, help="sequences per micro-batch (per rank)")
     add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     add("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
+    add("--shuffle-buffer", type=int, default=1000, help="sequences in the shuffle buffer (1: off)")
+    add("--active-shards", type=int, default=8,
+        help="shards read at a time, round-robin; a multiple of the number of ranks")
+    add("--epochs", type=int, default=None,
+        help="stop after this many passes over --dataset (default: endless; see --max-steps)")
     add("--log-freq", type=int, default=10, help="print throughput, memory and MFU every N steps")
     add("--ckpt-freq", type=int, default=200, help="save a checkpoint every N steps")
     add("--keep-checkpoints", type=int, default=2,
@@ -376,6 +485,10 @@ def get_parser():
     add("--profile-steps", default=None, metavar="FIRST,LAST",
         help="write a torch.profiler trace of steps FIRST to LAST into SAVE_DIR/NAME/profile")
     add("--tokenizer-threads", type=int, default=2, help="threads tokenizing in the background")
+    add("--fsdp", action="store_true",
+        help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
+    add("--dist-timeout", type=float, default=120,
+        help="seconds a collective may wait for the other ranks after the first step")
     add("--device", default=None,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     return parser

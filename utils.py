@@ -96,6 +96,20 @@ PEAK_BF16_FLOPS = {
 }
 
 
+def format_metrics(m):
+    """One log line of a metrics dict."""
+    line = f"step {m['step']} | loss {m['loss']:.4f} | lr {m['lr']:.2e}"
+    if "val_loss" in m:
+        line += f" | val loss {m['val_loss']:.4f}"
+    if "tokens_per_s" in m:
+        memory = " ".join(f"{k[4:]} {v:.3g}" for k, v in m.items() if k.startswith("mem/"))
+        mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a"
+        line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}"
+                 f" | MFU {mfu} | {memory}")
+    return line
+
+
+
 def peak_flops(device):
     """The GPU's peak FLOP/s, or None where MFU means nothing (CPU, unknown GPU)."""
     if device.type != "cuda":
@@ -151,18 +165,50 @@ def profiler(spec, trace_dir, rank, device, next_step):
 
 
 # ----------------------------------------------------------------------------------------------
+# Distributed helpers
+# ----------------------------------------------------------------------------------------------
+
+def gradient_sync(model, enabled):
+    """A context in which backward does (or does not) average gradients across ranks.
+
+    With gradient accumulation only the last micro-batch's backward needs to communicate:
+    the others just add to the local gradients. DDP says so with no_sync(), FSDP2 with
+    set_requires_gradient_sync(); a single process has nothing to sync.
+    """
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def full(tensor):
+    """A plain tensor of a DTensor (what FSDP2's gradient norm is), else the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def set_collective_timeout(timeout):
+    """How long a collective waits for the other ranks before the process fails."""
+    set_timeout = getattr(torch.distributed, "set_timeout", None)  # public in newer releases
+    if set_timeout is None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
+    set_timeout(timeout)
+
+
+# ----------------------------------------------------------------------------------------------
 # Random number generators
 # ----------------------------------------------------------------------------------------------
 
-def rng_state():
-    """Every global RNG state, in types that torch.load(weights_only=True) accepts."""
+def rng_state(device):
+    """Every global RNG state, in types that torch.load(weights_only=True) accepts. On a GPU
+    only this rank's device: reading all of them would touch every GPU from every rank."""
     version, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),  # a tuple of ints
         "numpy": (version, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                   cached_gaussian),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
 
 
@@ -172,8 +218,8 @@ def set_rng_state(state):
     np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
                          cached_gaussian))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])  # the current device's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,34 +262,44 @@ def _step_dirs(exp_dir):
     return {int(d.name[5:]): d for d in dirs if d.name[5:].isdigit()}
 
 
-def save_checkpoint(exp_dir, step, files, state, keep):
+def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
     """Write ``files`` ({name: object}) as checkpoints/step-NNNNNN, point state.json at it,
     then delete all but the newest ``keep`` checkpoints.
 
     Order is everything: the files are written into step-NNNNNN.tmp and fsynced, the directory
     is renamed (atomic), and only then is state.json replaced (atomic). A kill at any instant
     leaves state.json naming a complete checkpoint: the new one or the one before.
+
+    Under torchrun every rank calls this with the files it writes (its loader state, say);
+    rank 0 makes the directory and, once all ranks are past the second barrier, renames it.
+    A value that is a function is called with its path: a writer that all ranks run together
+    (torch.distributed.checkpoint). With several nodes, --save-dir must be a shared file system.
     """
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
-    tmp.mkdir(parents=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+        tmp.mkdir(parents=True)
+    barrier()
     for name, obj in files.items():
-        if name.endswith(".json"):
+        if callable(obj):
+            obj(tmp / name)
+        elif name.endswith(".json"):
             _write_file(tmp / name, lambda f, obj=obj: f.write(json.dumps(obj).encode()))
         else:
             _write_file(tmp / name, lambda f, obj=obj: torch.save(obj, f))
-    # A directory of this name can only be left over from a killed run that never got to
-    # name it in state.json; nothing points to it.
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-
+    barrier()
     state["checkpoint"] = str(final.relative_to(exp_dir))
-    write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
-
-    for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
-        shutil.rmtree(old)
+    if rank == 0:
+        # A directory of this name can only be left over from a killed run that never got to
+        # name it in state.json; nothing points to it.
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
+        for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
+            shutil.rmtree(old)
+    barrier()  # no rank runs ahead into a checkpoint that is not complete
 
 
 def discard_after(exp_dir, step):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # One thread each: faster for a model this small, and the same float sums in every process.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAX_STEPS = 30
-CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng.pt", "loader-rank0.json"}
+CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json"}
 
 
 @pytest.fixture(scope="module")
