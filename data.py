@@ -867,6 +867,7 @@ def reshard(pipeline, states):
 
     def merge(stage, olds):
         name = type(stage).__name__
+        ups = [o.get("upstream") for o in olds]
         if isinstance(stage, Tokenize):
             if not isinstance(stage.src, Files):
                 raise ValueError("reshard: Tokenize must read straight from Files")
@@ -886,7 +887,7 @@ def reshard(pipeline, states):
         if isinstance(stage, ConcatChunk):
             rest = [t for i in mine for t in olds[i]["rest"]]
             report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in mine if i != rank)
-            return {"config": stage.config, "upstream": merge(stage.src, olds), "rest": rest}
+            return {"config": stage.config, "upstream": merge(stage.src, ups), "rest": rest}
         if isinstance(stage, Shuffle):
             buffer = [sample for i in mine for sample in olds[i]["buffer"]]
             report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
@@ -896,12 +897,12 @@ def reshard(pipeline, states):
             if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
                 rng.seed(f"{rng.getrandbits(64)}-{rank}")
             version, internal, gauss = rng.getstate()
-            return {"config": stage.config, "upstream": merge(stage.src, olds), "buffer": buffer,
+            return {"config": stage.config, "upstream": merge(stage.src, ups), "buffer": buffer,
                     "exhausted": False, "rng": [version, list(internal), gauss]}
         if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
             raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
         # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.
-        return {"config": stage.config, "upstream": merge(stage.src, [o["upstream"] for o in olds])}
+        return {"config": stage.config, "upstream": merge(stage.src, ups)}
 
     pipeline.load_state_dict(merge(pipeline, states))
     return report
