@@ -472,7 +472,7 @@ class Tokenize(Stage):
 
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
-            return self._state(skip=self._skip)
+            return {"config": self.config, "upstream": self.src.state_dict(), "skip": self._skip}
         return {"config": self.config, "upstream": self._batch_state, "skip": self._pos}
 
     def load_state_dict(self, state):

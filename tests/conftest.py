@@ -1,5 +1,7 @@
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -23,3 +25,15 @@ def toy_tokenizer(same_bos_eos=False):
 @pytest.fixture(scope="session")
 def toy():
     return toy_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The shipped tiny GPT-2 config, shrunk further, with dropout: so that the RNG state too
+    must come back exactly on resume."""
+    config = json.loads((Path(ROOT) / "assets/tiny-gpt2/config.json").read_text())
+    config.update(n_layer=1, n_embd=32, n_head=2, n_positions=64, resid_pdrop=0.1,
+                  embd_pdrop=0.1, attn_pdrop=0.1)
+    path = tmp_path_factory.mktemp("model")
+    (path / "config.json").write_text(json.dumps(config))
+    return path

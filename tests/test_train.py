@@ -27,18 +27,6 @@ MAX_STEPS = 30
 CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json"}
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """The shipped tiny GPT-2 config, shrunk further, with dropout: so that the RNG state too
-    must come back exactly on resume."""
-    config = json.loads((ROOT / "assets/tiny-gpt2/config.json").read_text())
-    config.update(n_layer=1, n_embd=32, n_head=2, n_positions=64, resid_pdrop=0.1,
-                  embd_pdrop=0.1, attn_pdrop=0.1)
-    path = tmp_path_factory.mktemp("model")
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 def train_args(save_dir, model, name="run", **overrides):
     args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
             "seq-length": 32, "batch-size": 4, "max-steps": MAX_STEPS, "lr": 1e-2,
