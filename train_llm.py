@@ -101,6 +101,8 @@ def main():
 
     # Device: a GPU runs matmuls in bf16 under autocast while weights and optimizer state stay
     # float32 (mixed precision). CPUs run plain float32: bf16 is slow on most of them.
+    if args.deterministic:  # GPU kernels too, for bit-identical GPU runs (CPU ones already are)
+        utils.deterministic()
     if args.device:
         device = torch.device(args.device)
     elif torch.cuda.is_available():
@@ -489,6 +491,8 @@ def get_parser():
         help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
+    add("--deterministic", action="store_true",
+        help="deterministic GPU kernels: bit-identical runs at about half the speed")
     add("--device", default=None,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     return parser

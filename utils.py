@@ -168,6 +168,19 @@ def profiler(spec, trace_dir, rank, device, next_step):
 # Distributed helpers
 # ----------------------------------------------------------------------------------------------
 
+def deterministic():
+    """Deterministic CUDA kernels, so that a GPU run repeats (and resumes) to the bit.
+
+    cuBLAS needs a fixed workspace, set before its first use; the fast attention kernels
+    (flash, memory-efficient, cuDNN) add up in a varying order in backward, so attention falls
+    back to the math kernel. On an H100 that halved GPT-2-124M's throughput (README).
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for kernel in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
+
+
 def gradient_sync(model, enabled):
     """A context in which backward does (or does not) average gradients across ranks.
 

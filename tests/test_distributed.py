@@ -1,0 +1,360 @@
+"""Several ranks: data sharding, resharding to another world size, and train_llm.py under torchrun.
+
+The data tests build the trainer's own pipeline (train_llm.build_pipeline) in-process. The
+trainer tests run `torchrun --nproc-per-node 2` on CPU with gloo, as a user would, on a corpus
+of fixed-length documents ("d17 q w e ...": one document is exactly one 32-token sequence) and a
+word-level tokenizer, so that which documents a run trained on can be read off its loader state.
+"""
+
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_train import ENV, ROOT, digest, global_step, metrics, wait_for
+from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import PreTrainedTokenizerFast
+
+import data
+import train_llm
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+N_IDS = 2000
+
+
+def word_tokenizer():
+    """Document ids d0 ... d1999 and the letters, one token each; BOS and EOS apart."""
+    words = ["<bos>", "<eos>", "<unk>", *(f"d{i}" for i in range(N_IDS)), *LETTERS]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", name_or_path="words")
+
+
+TOKENIZER = word_tokenizer()
+ID_OF = {TOKENIZER.convert_tokens_to_ids(f"d{i}"): i for i in range(N_IDS)}
+
+
+def write_corpus(directory, sizes, *, words=None, seed=0):
+    """Shards of documents "d<id> <letters>"; ids are unique over the corpus. With ``words``
+    every document has exactly that many letters, else 0-9 at random."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    doc_id = 0
+    for i, size in enumerate(sizes):
+        lines = []
+        for _ in range(size):
+            n = words if words is not None else rng.randrange(10)
+            lines.append(json.dumps({"text": " ".join([f"d{doc_id}", *rng.choices(LETTERS, k=n)])}))
+            doc_id += 1
+        (directory / f"train-{i:03d}.jsonl").write_text("".join(line + "\n" for line in lines))
+    return doc_id
+
+
+# ----------------------------------------------------------------------------------------------
+# data.reshard on the trainer's pipeline
+# ----------------------------------------------------------------------------------------------
+
+def pipeline(urls, rank, world_size, p):
+    args = types.SimpleNamespace(active_shards=4, epochs=1, seed=p["seed"], tokenizer_threads=1,
+                                 seq_length=p["length"], shuffle_buffer=p["shuffle"], batch_size=1)
+    return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world_size, train=True)
+
+
+def stage(pipe, cls):
+    while not isinstance(pipe, cls):
+        pipe = pipe.src
+    return pipe
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
+    "worlds": st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=3),
+    "length": st.integers(2, 9),
+    "shuffle": st.integers(1, 6),
+    "seed": st.integers(0, 3),
+    "cuts": st.lists(st.integers(0, 40), min_size=12, max_size=12),
+}))
+def test_reshard_trains_every_document_exactly_once(tmp_path_factory, p):
+    """Ranks of world size W read a while, save; W' ranks resume from those states (and maybe
+    W'' from theirs) and read to the end of the (finite) data. Every document's id token must
+    be emitted exactly once, counting the tokens ConcatChunk holds back at the very end."""
+    directory = tmp_path_factory.mktemp("corpus")
+    n_docs = write_corpus(directory, p["sizes"], seed=p["seed"])
+    urls = str(directory / "*.jsonl")
+    cuts = iter(p["cuts"])
+    emitted, states, leftovers = [], None, []
+    for k, world in enumerate(p["worlds"]):
+        last = k == len(p["worlds"]) - 1
+        new_states = []
+        for rank in range(world):
+            pipe = pipeline(urls, rank, world, p)
+            if states is not None:
+                report = data.reshard(pipe, states)
+                assert report["old_world_size"] == len(states)
+            for batch in pipe if last else data.Take(pipe, next(cuts)):
+                emitted += batch["input_ids"].flatten().tolist()
+            new_states.append(json.loads(json.dumps(pipe.state_dict())))
+            if last:
+                chunker = stage(pipe, data.ConcatChunk)
+                leftovers += chunker.buf[chunker.pos:].tolist()
+            pipe.close()
+        states = new_states
+
+    tokens = emitted + leftovers
+    seen = collections.Counter(ID_OF[t] for t in tokens if t in ID_OF)
+    assert seen == collections.Counter(range(n_docs))
+    letters = sum(1 for t in tokens if t not in ID_OF and t > 2)
+    bos_eos = sum(1 for t in tokens if t in (0, 1))
+    assert bos_eos == 2 * n_docs
+    expected_letters = sum(len(json.loads(line)["text"].split()) - 1
+                           for f in sorted(directory.glob("*.jsonl"))
+                           for line in f.read_text().splitlines())
+    assert letters == expected_letters
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(sizes=st.lists(st.integers(0, 25), min_size=1, max_size=6), world=st.sampled_from([1, 2]),
+       cut=st.integers(0, 30), seed=st.integers(0, 3), shuffle=st.integers(1, 6))
+def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world, cut, seed,
+                                                 shuffle):
+    """Resharding W -> W (what a changed --batch-size goes through) changes nothing at all."""
+    directory = tmp_path_factory.mktemp("corpus")
+    write_corpus(directory, sizes, seed=seed)
+    urls = str(directory / "*.jsonl")
+    p = {"seed": seed, "length": 4, "shuffle": shuffle}
+    for rank in range(world):
+        straight = [b["input_ids"].tolist() for b in pipeline(urls, rank, world, p)]
+        states = []
+        for r in range(world):
+            pipe = pipeline(urls, r, world, p)
+            for _ in data.Take(pipe, cut):
+                pass
+            states.append(pipe.state_dict())
+            pipe.close()
+        resumed = pipeline(urls, rank, world, p)
+        data.reshard(resumed, states)
+        assert [b["input_ids"].tolist() for b in resumed] == straight[cut:]
+
+
+def test_reshard_refuses_stages_it_cannot_split():
+    pipe = data.Take(data.Files(str(ROOT / "data/sample/prose/val-*.jsonl")), 3)
+    with pytest.raises(ValueError, match="Take"):
+        data.reshard(pipe, [pipe.state_dict()])
+
+
+# ----------------------------------------------------------------------------------------------
+# train_llm.py under torchrun
+# ----------------------------------------------------------------------------------------------
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """8 shards of 40 fixed-length documents, a word tokenizer, and a held-out shard."""
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(root / "train", [40] * 8, words=29)  # <bos> d<id> 29 letters <eos>: 32 tokens
+    write_corpus(root / "val", [20], words=29, seed=1)
+    word_tokenizer().save_pretrained(root / "tokenizer")
+    return root
+
+
+def args_for(save_dir, model, corpus, name="run", **overrides):
+    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
+            "dataset": corpus / "train/*.jsonl", "val-dataset": corpus / "val/*.jsonl",
+            "tokenizer": corpus / "tokenizer", "seq-length": 32, "batch-size": 4,
+            "max-steps": STEPS, "lr": 1e-2, "warmup-steps": 3, "log-freq": 4, "val-freq": 6,
+            "val-batches": 3, "ckpt-freq": 4, "wandb": "disabled", "tokenizer-threads": 1,
+            "active-shards": 4, "shuffle-buffer": 1}
+    args.update({key.replace("_", "-"): value for key, value in overrides.items()})
+    return [f"--{key}" if value is True else f"--{key}={value}" for key, value in args.items()]
+
+
+def command(args, ranks):
+    if ranks == 1:
+        return [sys.executable, "train_llm.py", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", "train_llm.py", *args]
+
+
+def run(args, ranks, timeout=180):
+    result = subprocess.run(command(args, ranks), cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def loader_states(exp_dir, step=None):
+    state = json.loads((exp_dir / "state.json").read_text())
+    ckpt = exp_dir / (f"checkpoints/step-{step:06d}" if step else state["checkpoint"])
+    return [json.loads((ckpt / f"loader-rank{r}.json").read_text())
+            for r in range(state["world_size"])]
+
+
+def consumed(states, urls):
+    """{slot: (url, byte offset)} after the documents each rank handed past Tokenize, and
+    the sequences still buffered (none with fixed-length documents and --shuffle-buffer 1)."""
+    files = data.Files(urls, repeat=True, shuffle_shards=True, n_active_shards=4)
+    slots, buffered = {}, 0
+    for state in states:
+        node = state
+        while "skip" not in node:  # down to Tokenize's state
+            buffered += len(node.get("rest", [])) + len(node.get("buffer", []))
+            node = node["upstream"]
+        advanced = files.advanced(node["upstream"], node["skip"])
+        for slot in advanced["slots"]:
+            assert slot["pos"] % 4 not in slots, "two ranks read the same slot"
+            slots[slot["pos"] % 4] = (slot["url"], slot["offset"])
+    return slots, buffered
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def final_model(exp_dir):
+    return torch.load(exp_dir / f"checkpoints/step-{STEPS:06d}/model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_model, corpus):
+    """The reference: 2 ranks x 4 sequences, uninterrupted."""
+    save_dir = tmp_path_factory.mktemp("two")
+    run(args_for(save_dir, tiny_model, corpus), ranks=2)
+    return save_dir / "run"
+
+
+def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(
+        two_ranks, tiny_model, corpus, tmp_path):
+    one = tmp_path / "run"
+    run(args_for(tmp_path, tiny_model, corpus, batch_size=8), ranks=1)
+    urls = str(corpus / "train/*.jsonl")
+    for step in (8, STEPS):
+        slots_two, buffered_two = consumed(loader_states(two_ranks, step), urls)
+        slots_one, buffered_one = consumed(loader_states(one, step), urls)
+        assert buffered_two == buffered_one == 0
+        assert slots_two == slots_one  # same documents; disjointness checked in consumed()
+    # Every step of the 2-rank run is logged once by rank 0, with the tokens of both ranks.
+    rows = metrics(two_ranks)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["tokens_seen"] == STEPS * 2 * 4 * 32
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    state = json.loads((two_ranks / "state.json").read_text())
+    assert state["world_size"] == 2
+    assert {p.name for p in (two_ranks / state["checkpoint"]).iterdir()} == {
+        "model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "rng-rank1.pt",
+        "loader-rank0.json", "loader-rank1.json"}
+
+
+def kill_until_done(args, exp_dir, log, kills=2):
+    """Start the 2-rank run, SIGKILL torchrun and its ranks at a random moment after each new
+    checkpoint, until it has been killed ``kills`` times; then let it finish."""
+    rng = random.Random(0)
+    for _ in range(kills):
+        resumed_from = global_step(exp_dir)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(command(args, 2), cwd=ROOT, env=ENV, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: global_step(exp_dir) > resumed_from or proc.poll() is not None,  # noqa: B023
+                     proc, timeout=120)
+            time.sleep(rng.uniform(0, 0.3))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, at once
+        assert proc.wait() != 0, "finished before it was killed"
+    run(args, ranks=2)
+
+
+def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(
+        two_ranks, tiny_model, corpus, tmp_path):
+    args = args_for(tmp_path, tiny_model, corpus, ckpt_freq=3)
+    exp_dir = tmp_path / "run"
+    kill_until_done(args, exp_dir, tmp_path / "log.txt")
+    assert_same_weights(final_model(exp_dir), final_model(two_ranks))
+    for name in ("optimizer.pt", "loader-rank0.json", "loader-rank1.json"):
+        final = f"checkpoints/step-{STEPS:06d}/{name}"
+        assert digest(exp_dir / final) == digest(two_ranks / final), name
+    keys = ("step", "loss", "grad_norm", "val_loss")
+    assert ([[row.get(k) for k in keys] for row in metrics(exp_dir)]
+            == [[row.get(k) for k in keys] for row in metrics(two_ranks)])
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_path, before,
+                                           after):
+    """W -> W' ranks at step 6 with the global batch kept (per-rank batch 8/W); --max-steps
+    raised at the same time. No document is skipped or repeated: with one document per
+    sequence and no shuffle buffer the documents consumed are those of the W-rank run."""
+    exp_dir = tmp_path / "run"
+    run(args_for(tmp_path, tiny_model, corpus, batch_size=8 // before, max_steps=6), before)
+    result = run(args_for(tmp_path, tiny_model, corpus, batch_size=8 // after), after)
+    assert f"Data of {before} rank(s) moved to {after}" in result.stderr
+    assert "no document skipped or repeated" in result.stderr
+    state = json.loads((exp_dir / "state.json").read_text())
+    assert state["global_step"] == STEPS and state["world_size"] == after
+    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, STEPS + 1))
+    urls = str(corpus / "train/*.jsonl")
+    assert consumed(loader_states(exp_dir), urls) == consumed(loader_states(two_ranks), urls)
+    # The run goes on from the checkpoint's weights, not from a fresh model's loss of ~9.
+    rows = metrics(exp_dir)
+    assert rows[6]["loss"] < rows[0]["loss"] - 1.0, (rows[0]["loss"], rows[6]["loss"])
+
+
+def test_a_changed_global_batch_is_refused(two_ranks, tiny_model, corpus):
+    before = digest(two_ranks / "state.json")
+    result = subprocess.run(command(args_for(two_ranks.parent, tiny_model, corpus,
+                                             max_steps=STEPS + 2), 1),
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "global batch" in result.stderr and "was 8 sequences" in result.stderr
+    assert digest(two_ranks / "state.json") == before
+
+
+def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
+    """--epochs 1 over shards of very different sizes: rank 1's slots run dry long before
+    rank 0's. Both ranks stop at the same step, save, and a rerun says the run is done."""
+    corpus = tmp_path / "uneven"
+    write_corpus(corpus / "train", [60, 12, 60, 9], words=29)
+    write_corpus(corpus / "val", [10], words=29)
+    word_tokenizer().save_pretrained(corpus / "tokenizer")
+    args = args_for(tmp_path, tiny_model, corpus, max_steps=1000, epochs=1, ckpt_freq=1000)
+    result = run(args, ranks=2, timeout=120)
+    assert "The data ran out (--epochs 1)" in result.stderr
+    state = json.loads((tmp_path / "run/state.json").read_text())
+    assert state["data_exhausted"] and 0 < state["global_step"] < 10
+    assert state["checkpoint"] == f"checkpoints/step-{state['global_step']:06d}"
+    assert "it is done" in run(args, ranks=2).stderr
+
+
+def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):
+    """FSDP2 on CPU with gloo: a run killed and resumed equals one that was not, and both
+    equal DDP's weights up to float rounding (same data, same math)."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run(args_for(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
+    kill_until_done(args_for(tmp_path, tiny_model, corpus, name="killed", fsdp=True, ckpt_freq=3),
+                    killed, tmp_path / "log.txt", kills=1)
+    weights = []
+    for exp_dir in (straight, killed):
+        ckpt = exp_dir / f"checkpoints/step-{STEPS:06d}"
+        assert {p.name for p in ckpt.iterdir()} >= {"dcp", "loader-rank0.json",
+                                                   "loader-rank1.json", "lr_scheduler.pt"}
+        dcp_to_torch_save(ckpt / "dcp", tmp_path / f"{exp_dir.name}.pt")
+        weights.append(torch.load(tmp_path / f"{exp_dir.name}.pt", weights_only=True)["model"])
+    assert_same_weights(*weights)
+    ddp = final_model(two_ranks)
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, ddp[name], rtol=1e-3, atol=1e-4)
