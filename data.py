@@ -486,6 +486,58 @@ class Tokenize(Stage):
         super().close()
 
 
+# The layout of an instruction record ("### " headers, as in Alpaca-style data sets). The
+# response follows the prompt directly; only the response's tokens are trained on.
+PROMPT = "{preamble}### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_WITH_INPUT = ("{preamble}### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
+                     "### Response:\n")
+PREAMBLE = "Answer the instruction below.\n\n"
+
+
+class FormatInstructions(Stage):
+    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only.
+
+    A record with ``instruction``, ``output`` and an optional ``input`` is laid out with
+    PROMPT / PROMPT_WITH_INPUT. A record with ``messages`` ([{"role", "content"}, ...], the
+    last one the assistant's) goes through the tokenizer's chat template instead. The prompt's
+    labels are ``label_pad_id`` (-100, which the loss ignores): the model learns to answer,
+    not to ask. BOS starts and EOS ends the sample, so a packed sequence keeps samples apart.
+    """
+
+    def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
+        self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
+        self.label_pad_id = label_pad_id
+        self.config = {"tokenizer": getattr(tokenizer, "name_or_path", ""), "preamble": preamble,
+                       "label_pad_id": label_pad_id}
+
+    def _encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def __next__(self):
+        record = next(self.src)
+        if "messages" in record:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("FormatInstructions: a record has 'messages' but the tokenizer "
+                                 "has no chat template")
+            messages = record["messages"]
+            prompt = list(self.tokenizer.apply_chat_template(
+                messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False))
+            ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                          return_dict=False))
+            if ids[:len(prompt)] != prompt:
+                raise ValueError("FormatInstructions: the chat template renders the prompt "
+                                 "differently inside the whole conversation; cannot mask it")
+        else:
+            template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
+            text = template.format(preamble=self.preamble, instruction=record["instruction"],
+                                   input=record.get("input", ""))
+            bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+            prompt = ([bos] if bos is not None else []) + self._encode(text)
+            ids = prompt + self._encode(record["output"]) + ([eos] if eos is not None else [])
+        labels = [self.label_pad_id] * len(prompt) + ids[len(prompt):]
+        return {"input_ids": ids, "labels": labels}
+
+
 class EnsureBosEos(Stage):
     """Makes every document start with BOS and end with EOS, so documents stay separable.
 

@@ -38,6 +38,7 @@ import data
 import utils
 
 LOGGER = logging.getLogger("train_llm")
+DEFAULT_DATA = {"pretrain": "data/sample/*/", "sft": "data/sft/"}
 
 # Arguments that decide what the next step computes: the data stream, the model and the update
 # rule (the optimizer and scheduler restore their hyperparameters from the checkpoint, so a
@@ -46,11 +47,15 @@ LOGGER = logging.getLogger("train_llm")
 # the world size. Everything else (--max-steps, logging, checkpointing, threads) may change.
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
-               "active_shards", "shuffle_buffer", "epochs", "fsdp")
+               "active_shards", "shuffle_buffer", "epochs", "fsdp", "task")
 
 
 def main():
     args = get_parser().parse_args()
+    if args.dataset is None:  # the shipped sample data of the task
+        args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
+    if args.val_dataset is None:
+        args.val_dataset = DEFAULT_DATA[args.task] + "val-*.jsonl"
 
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1. Only rank 0 logs
     # at INFO level and writes logs, metrics and state.json; every rank writes its loader state.
@@ -93,8 +98,11 @@ def main():
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                  "wandb_run_id": None, "config": fingerprint}
         LOGGER.info(f"Starting {exp_dir} from scratch")
+    if "LOCAL_RANK" in os.environ:
+        utils.die_with_parent()  # no orphan ranks if torchrun is killed
     if rank == 0:
         exp_dir.mkdir(parents=True, exist_ok=True)
+        lock = utils.lock(exp_dir)  # noqa: F841 (held until the process exits)
         # A run killed after its last checkpoint may have logged (and half-saved) later steps.
         # This run redoes them, so drop them: metrics.jsonl then has every step exactly once.
         utils.discard_after(exp_dir, state["global_step"])
@@ -195,7 +203,7 @@ def main():
     # Validation always scores the same held-out batches, whatever the world size: all ranks
     # read them (once, kept in memory) and each scores every world_size-th one.
     val_pipeline = build_pipeline(args.val_dataset, tokenizer, args, 0, 1, train=False)
-    val_batches = [batch["input_ids"] for batch in data.Take(val_pipeline, args.val_batches)]
+    val_batches = list(data.Take(val_pipeline, args.val_batches))
     val_pipeline.close()
     if not val_batches:
         sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
@@ -281,12 +289,12 @@ def main():
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"]:  # next() by hand, so the wait for data is measured
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
-            data_left = torch.tensor(float(None not in batches), device=device)
+            data_left = None not in batches
             if args.epochs and world_size > 1:
                 # With finite data ranks run out at different steps (their shards differ);
                 # all stop together, or the others would wait forever in the next all-reduce.
-                dist.all_reduce(data_left, op=dist.ReduceOp.MIN)
-            if not data_left.item():
+                data_left = utils.all_ranks(data_left, device)
+            if not data_left:
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
                 state["data_exhausted"] = True
                 if state["global_step"] > first_step:
@@ -295,12 +303,11 @@ def main():
 
             loss_sum = torch.zeros((), device=device)
             for i, batch in enumerate(batches):
-                input_ids = batch["input_ids"].to(device)
                 # Gradients are averaged across ranks once per step, in the last backward.
                 with utils.gradient_sync(model, enabled=i == args.grad_accum - 1):
                     with timers["forward"], autocast():
-                        logits = model(input_ids=input_ids).logits
-                        loss = per_sequence_loss(logits, input_ids).mean() / args.grad_accum
+                        logits, targets = forward(model, batch, device)
+                        loss = per_sequence_loss(logits, targets).mean() / args.grad_accum
                     # Backward needs no logits ([batch, seq, vocab], the largest activation):
                     # dropping our reference lets them be freed before backward's peak.
                     del logits
@@ -359,11 +366,8 @@ def main():
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}")
 
-            if world_size > 1:  # a signal may reach the ranks at different steps
-                stop_flag = torch.tensor(float(stop.is_set()), device=device)
-                dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
-                if stop_flag.item():
-                    stop.set()
+            if world_size > 1 and not utils.all_ranks(not stop.is_set(), device):
+                stop.set()  # a signal may reach the ranks at different steps: all stop here
             if step % args.ckpt_freq == 0 or step == args.max_steps or stop.is_set():
                 save_checkpoint()
             gc_control.step(step)
@@ -399,26 +403,50 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
                  "every rank reads whole shard slots. Pass a multiple of it (and keep it on "
                  "resume: it shapes the data order).")
     pipe = data.Files(urls, repeat=train, epochs=args.epochs, shuffle_shards=train,
-                      seed=args.seed, n_active_shards=slots, required_fields=["text"],
-                      rank=rank, world_size=world_size)
-    pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads)
-    pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
-    pipe = data.ConcatChunk(pipe, args.seq_length)
+                      seed=args.seed, n_active_shards=slots, rank=rank, world_size=world_size,
+                      required_fields=["instruction", "output"] if args.task == "sft" else ["text"])
+    if args.task == "sft":
+        # One instruction-answer pair per sample, its prompt masked out of the labels, whole
+        # samples packed into sequences (never split; position ids restart at each).
+        pipe = data.FormatInstructions(pipe, tokenizer)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pipe = data.Pack(pipe, args.seq_length, pad_id=pad_id)
+    else:
+        pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads)
+        pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
+        pipe = data.ConcatChunk(pipe, args.seq_length)
     if train:
         pipe = data.Shuffle(pipe, args.shuffle_buffer, seed=args.seed)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
     return data.Prefetch(pipe) if train else pipe
 
 
-def per_sequence_loss(logits, input_ids):
+def forward(model, batch, device):
+    """The logits of a batch and the token ids they are scored against.
+
+    Pretraining scores every token. Fine-tuning scores ``labels``: the answer's tokens, with
+    the prompt and the padding set to -100. Packed sequences bring ``position_ids`` that
+    restart at every sample. (Attention still sees earlier samples of the same sequence: the
+    default attention has no per-sample mask; padding comes last, so causal attention never
+    looks at it.)
+    """
+    input_ids = batch["input_ids"].to(device)
+    positions = batch.get("position_ids")
+    logits = model(input_ids=input_ids,
+                   position_ids=positions.to(device) if positions is not None else None).logits
+    return logits, batch["labels"].to(device) if "labels" in batch else input_ids
+
+
+def per_sequence_loss(logits, targets):
     """Mean next-token cross-entropy of each sequence: a [batch] tensor.
 
-    Token t predicts token t + 1. Keeping one loss per sequence (instead of one mean over the
-    batch) is what per-domain losses are computed from.
+    Token t predicts target t + 1; targets of -100 are not scored. Keeping one loss per
+    sequence (instead of one mean over the batch) is what per-domain losses are computed from.
     """
-    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(),
-                                 reduction="none")
-    return token_loss.view(input_ids.shape[0], -1).mean(dim=1)
+    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
+                                 reduction="none").view(targets.shape[0], -1)
+    scored = (targets[:, 1:] != -100).sum(dim=1)
+    return token_loss.sum(dim=1) / scored.clamp(min=1)
 
 
 @torch.no_grad()
@@ -432,9 +460,8 @@ def evaluate(model, batches, device, autocast, rank, world_size):
     model.eval()
     total = torch.zeros(2, device=device)  # loss sum, sequence count
     for i in range(rank, -(-len(batches) // world_size) * world_size, world_size):
-        input_ids = batches[i % len(batches)].to(device)
         with autocast():
-            losses = per_sequence_loss(model(input_ids=input_ids).logits, input_ids)
+            losses = per_sequence_loss(*forward(model, batches[i % len(batches)], device))
         if i < len(batches):
             total += torch.stack([losses.sum(), torch.tensor(float(len(losses)), device=device)])
     if world_size > 1:
@@ -447,9 +474,12 @@ def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("-e", "--experiment-name", required=True, help="run name; outputs go to SAVE_DIR/NAME")
-    add("-d", "--dataset", default="data/sample/*/train-*.jsonl",
-        help="training JSONL shards: paths, globs, {a,b} brace patterns, directories or URLs")
-    add("--val-dataset", default="data/sample/*/val-*.jsonl",
+    add("--task", choices=["pretrain", "sft"], default="pretrain",
+        help="pretrain: next-token loss on all text; sft: instruction tuning, answer tokens only")
+    add("-d", "--dataset", default=None,
+        help="training JSONL shards: paths, globs, {a,b} brace patterns, directories or URLs "
+             "(default: data/sample/*/train-*.jsonl, with --task sft data/sft/train-*.jsonl)")
+    add("--val-dataset", default=None,
         help="held-out JSONL shards for the validation loss (same forms as --dataset)")
     add("--tokenizer", default="assets/tokenizer", help="Hugging Face tokenizer name or path")
     add("-m", "--model-name", default="assets/tiny-gpt2",

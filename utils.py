@@ -4,12 +4,15 @@ Nothing here decides how training goes; it measures it, or moves bytes to and fr
 """
 
 import contextlib
+import ctypes
+import fcntl
 import gc
 import json
 import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import time
 import types
@@ -168,6 +171,33 @@ def profiler(spec, trace_dir, rank, device, next_step):
 # Distributed helpers
 # ----------------------------------------------------------------------------------------------
 
+def die_with_parent():
+    """torchrun starts every rank in a session of its own, so killing torchrun (kill -9, the
+    OOM killer) leaves the ranks training on as orphans, writing into the run directory next
+    to the run that resumes it. On Linux, ask the kernel to kill this process with its parent.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before we asked
+            os._exit(1)
+
+
+def lock(exp_dir):
+    """Hold an exclusive lock on the run directory for as long as this process lives.
+
+    Two runs in one directory would overwrite each other's checkpoints (and a resuming run
+    deletes what the other logged ahead of it). The kernel drops the lock when the process
+    dies, however it dies, so a killed run never leaves a stale lock behind.
+    """
+    f = open(exp_dir / ".lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"Another process is training in {exp_dir}: stop it first (see `fuser -v "
+                 f"{exp_dir / '.lock'}`), or pick another --experiment-name.")
+    return f
+
+
 def deterministic():
     """Deterministic CUDA kernels, so that a GPU run repeats (and resumes) to the bit.
 
@@ -193,6 +223,13 @@ def gradient_sync(model, enabled):
     elif hasattr(model, "no_sync") and not enabled:  # DDP
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def all_ranks(flag, device):
+    """True on every rank iff ``flag`` is true on every rank (an all-reduce of one number)."""
+    flag = torch.tensor(float(flag), device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def full(tensor):

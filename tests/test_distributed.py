@@ -7,6 +7,7 @@ word-level tokenizer, so that which documents a run trained on can be read off i
 """
 
 import collections
+import fcntl
 import json
 import os
 import random
@@ -66,7 +67,8 @@ def write_corpus(directory, sizes, *, words=None, seed=0):
 # ----------------------------------------------------------------------------------------------
 
 def pipeline(urls, rank, world_size, p):
-    args = types.SimpleNamespace(active_shards=4, epochs=1, seed=p["seed"], tokenizer_threads=1,
+    args = types.SimpleNamespace(task="pretrain", active_shards=4, epochs=1, seed=p["seed"],
+                                 tokenizer_threads=1,
                                  seq_length=p["length"], shuffle_buffer=p["shuffle"], batch_size=1)
     return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world_size, train=True)
 
@@ -274,9 +276,23 @@ def kill_until_done(args, exp_dir, log, kills=2):
                      proc, timeout=120)
             time.sleep(rng.uniform(0, 0.3))
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, at once
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun; its ranks die with it
         assert proc.wait() != 0, "finished before it was killed"
+        assert_no_orphans(exp_dir)
     run(args, ranks=2)
+
+
+def assert_no_orphans(exp_dir, timeout=30):
+    """No rank outlives a killed torchrun: rank 0's lock on the run directory gets free."""
+    deadline = time.monotonic() + timeout
+    with open(exp_dir / ".lock", "w") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "a rank survived its torchrun"
+                time.sleep(0.05)
 
 
 def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(

@@ -224,3 +224,18 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypa
                        torch.ones(3))
     utils.discard_after(tmp_path, 1)  # what a resume does first
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tiny_model, tmp_path):
+    """While one process trains in a run directory (here: holds its lock), another is refused
+    before it touches anything."""
+    import fcntl
+
+    exp_dir = tmp_path / "run"
+    exp_dir.mkdir()
+    with open(exp_dir / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = train(train_args(tmp_path, tiny_model))
+    assert result.returncode != 0
+    assert "Another process is training in" in result.stderr
+    assert sorted(p.name for p in exp_dir.iterdir()) == [".lock"]
