@@ -60,6 +60,14 @@ class Stage:
         if self.src is not None:
             self.src.close()
 
+    def _check_config(self, saved, ignore=()):
+        for key in sorted(set(saved) | set(self.config)):
+            if key not in ignore and saved.get(key) != self.config.get(key):
+                raise ValueError(
+                    f"{type(self).__name__}: the saved state was made with {key}="
+                    f"{saved.get(key)!r}, but this pipeline has {key}={self.config.get(key)!r}. "
+                    "Resume with the arguments of the run that saved it.")
+
     def _state(self, **fields):
         state = {"config": self.config, **fields}
         if self.src is not None:
@@ -67,13 +75,7 @@ class Stage:
         return state
 
     def _load(self, state):
-        saved = state.get("config", {})
-        for key in sorted(set(saved) | set(self.config)):
-            if saved.get(key) != self.config.get(key):
-                raise ValueError(
-                    f"{type(self).__name__}: the saved state was made with {key}="
-                    f"{saved.get(key)!r}, but this pipeline has {key}={self.config.get(key)!r}. "
-                    "Resume with the arguments of the run that saved it.")
+        self._check_config(state.get("config", {}))
         if self.src is not None:
             self.src.load_state_dict(state["upstream"])
 
@@ -128,7 +130,9 @@ class Files(Stage):
                              f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
-        self.epochs = (epochs if repeat else 1) or None  # passes over the shards; None: endless
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
+        self.epochs = epochs if repeat else 1  # passes over the shards; None: endless
         self.n_slots = n_active_shards
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
@@ -501,7 +505,8 @@ class FormatInstructions(Stage):
     PROMPT / PROMPT_WITH_INPUT. A record with ``messages`` ([{"role", "content"}, ...], the
     last one the assistant's) goes through the tokenizer's chat template instead. The prompt's
     labels are ``label_pad_id`` (-100, which the loss ignores): the model learns to answer,
-    not to ask. BOS starts and EOS ends the sample, so a packed sequence keeps samples apart.
+    not to ask. With the template, BOS starts and EOS ends the sample (a chat template decides
+    for itself), so a packed sequence keeps samples apart.
     """
 
     def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
@@ -528,6 +533,10 @@ class FormatInstructions(Stage):
                 raise ValueError("FormatInstructions: the chat template renders the prompt "
                                  "differently inside the whole conversation; cannot mask it")
         else:
+            if not isinstance(record.get("instruction"), str) or not isinstance(
+                    record.get("output"), str):
+                raise ValueError("FormatInstructions: a record needs string fields 'instruction' "
+                                 f"and 'output' (or 'messages'); it has {sorted(record)}")
             template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
             text = template.format(preamble=self.preamble, instruction=record["instruction"],
                                    input=record.get("input", ""))
@@ -815,7 +824,8 @@ class Batch(Stage):
 
     def __init__(self, src, batch_size, *, drop_last=False):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
-        self.config = {"batch_size": batch_size, "drop_last": drop_last}
+        # No batch_size: Batch keeps no state, so a resumed run may group samples otherwise.
+        self.config = {"drop_last": drop_last}
 
     def __next__(self):
         samples = []
@@ -920,6 +930,8 @@ def reshard(pipeline, states):
     def merge(stage, olds):
         name = type(stage).__name__
         ups = [o.get("upstream") for o in olds]
+        for old in olds:  # the arguments that shape the stream, but where each rank reads
+            stage._check_config(old.get("config", {}), ignore=("rank", "world_size"))
         if isinstance(stage, Tokenize):
             if not isinstance(stage.src, Files):
                 raise ValueError("reshard: Tokenize must read straight from Files")
@@ -934,8 +946,7 @@ def reshard(pipeline, states):
                      if [s["pos"] % stage.n_slots for s in o["slots"]] == keep]
             return {"config": stage.config, "turn": turns[0] if turns else 0,
                     "skipped": sum(o["skipped"] for o in olds) if rank == 0 else 0,
-                    "slots": [slots[s] for s in keep],
-                    "epoch": min((slots[s]["pos"] // len(stage.urls) for s in keep), default=0)}
+                    "slots": [slots[s] for s in keep]}
         if isinstance(stage, ConcatChunk):
             rest = [t for i in mine for t in olds[i]["rest"]]
             report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in mine if i != rank)

@@ -51,7 +51,10 @@ FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_p
 
 
 def main():
-    args = get_parser().parse_args()
+    parser = get_parser()
+    args = parser.parse_args()
+    if args.epochs is not None and args.epochs < 1:
+        parser.error("--epochs must be at least 1 (leave it out for endless data)")
     if args.dataset is None:  # the shipped sample data of the task
         args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
     if args.val_dataset is None:
@@ -66,10 +69,18 @@ def main():
                         level=logging.INFO if rank == 0 else logging.WARNING)
     LOGGER.info(args)
 
+    # One run per directory: rank 0 holds a lock on it for as long as it lives (a second run
+    # would overwrite this one's checkpoints). Every rank dies with torchrun, never orphaned.
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    if rank == 0:
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        lock = utils.lock(exp_dir)  # noqa: F841 (held until the process exits)
+    if "LOCAL_RANK" in os.environ:
+        utils.die_with_parent()
+
     # Resume iff state.json exists. It is replaced only after a checkpoint is complete, so it
     # always names one that loads. Check it first: a refusal or "already done" costs nothing.
     # (Every rank reads it and so takes the same decision.)
-    exp_dir = Path(args.save_dir) / args.experiment_name
     fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
     fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
     if (exp_dir / "state.json").exists():
@@ -98,11 +109,7 @@ def main():
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                  "wandb_run_id": None, "config": fingerprint}
         LOGGER.info(f"Starting {exp_dir} from scratch")
-    if "LOCAL_RANK" in os.environ:
-        utils.die_with_parent()  # no orphan ranks if torchrun is killed
     if rank == 0:
-        exp_dir.mkdir(parents=True, exist_ok=True)
-        lock = utils.lock(exp_dir)  # noqa: F841 (held until the process exits)
         # A run killed after its last checkpoint may have logged (and half-saved) later steps.
         # This run redoes them, so drop them: metrics.jsonl then has every step exactly once.
         utils.discard_after(exp_dir, state["global_step"])
@@ -223,16 +230,16 @@ def main():
         saved_world = state.get("world_size", 1)
         loader_states = [json.loads((ckpt_dir / f"loader-rank{r}.json").read_text())
                          for r in range(saved_world)]
-        if saved_world == world_size and state.get("batch_size") == args.batch_size:
+        if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
             train_loader.load_state_dict(loader_states[rank])
-        else:  # another world size or per-rank batch: see data.reshard for the guarantee
+        else:  # another number of ranks: see data.reshard for the guarantee
             report = data.reshard(train_loader, loader_states)
             LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
                         f"skipped or repeated; {report}")
         rng_file = ckpt_dir / f"rng-rank{rank}.pt"
         utils.set_rng_state(utils.load(rng_file if rng_file.exists()
                                        else ckpt_dir / "rng-rank0.pt", "cpu"))
-    state["world_size"], state["batch_size"] = world_size, args.batch_size
+    state["world_size"] = world_size
 
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
         raw_model.compile()
@@ -266,8 +273,12 @@ def main():
             files |= {"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict()}
         if rank == 0:
             files["lr_scheduler.pt"] = lr_scheduler.state_dict()
+        if distributed:  # rank 0 may write for minutes while the others wait at a barrier
+            utils.set_collective_timeout(datetime.timedelta(minutes=30))
         utils.save_checkpoint(exp_dir, state["global_step"], files, state,
                               keep=args.keep_checkpoints, rank=rank, barrier=barrier)
+        if distributed:
+            utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
         LOGGER.info(f"Saved {state['checkpoint']}")
 
     timers = {name: utils.Timer(device) for name in ("data", "forward", "backward", "update")}
@@ -297,8 +308,11 @@ def main():
             if not data_left:
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
                 state["data_exhausted"] = True
-                if state["global_step"] > first_step:
+                if state["global_step"] != int(state["checkpoint"][-6:] if state["checkpoint"]
+                                               else 0):
                     save_checkpoint()
+                elif rank == 0:  # the last checkpoint is this step's: only say we are done
+                    utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
                 break
 
             loss_sum = torch.zeros((), device=device)
@@ -307,7 +321,7 @@ def main():
                 with utils.gradient_sync(model, enabled=i == args.grad_accum - 1):
                     with timers["forward"], autocast():
                         logits, targets = forward(model, batch, device)
-                        loss = per_sequence_loss(logits, targets).mean() / args.grad_accum
+                        loss = mean_loss(logits, targets) / args.grad_accum
                     # Backward needs no logits ([batch, seq, vocab], the largest activation):
                     # dropping our reference lets them be freed before backward's peak.
                     del logits
@@ -316,10 +330,13 @@ def main():
                 loss_sum += loss.detach()
 
             with timers["update"]:
-                if world_size > 1:  # the logged loss is the mean over all ranks
-                    dist.all_reduce(loss_sum)
-                    loss_sum /= world_size
-                loss_value = loss_sum.item()
+                # The logged loss is the mean over all ranks. A signal may reach the ranks at
+                # different steps: the same all-reduce tells all of them to stop at this one.
+                stop_flag = torch.tensor(float(stop.is_set()), device=device)
+                reduced = torch.stack([loss_sum, stop_flag])
+                if world_size > 1:
+                    dist.all_reduce(reduced)
+                loss_value, stopping = (reduced / world_size).tolist()
                 grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip)).item()
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -366,13 +383,11 @@ def main():
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}")
 
-            if world_size > 1 and not utils.all_ranks(not stop.is_set(), device):
-                stop.set()  # a signal may reach the ranks at different steps: all stop here
-            if step % args.ckpt_freq == 0 or step == args.max_steps or stop.is_set():
+            if step % args.ckpt_freq == 0 or step == args.max_steps or stopping:
                 save_checkpoint()
             gc_control.step(step)
             prof.step()
-            if stop.is_set():
+            if stopping:  # decided together, so all ranks saved and all leave here
                 LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
                 break
 
@@ -404,7 +419,7 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
                  "resume: it shapes the data order).")
     pipe = data.Files(urls, repeat=train, epochs=args.epochs, shuffle_shards=train,
                       seed=args.seed, n_active_shards=slots, rank=rank, world_size=world_size,
-                      required_fields=["instruction", "output"] if args.task == "sft" else ["text"])
+                      required_fields=[] if args.task == "sft" else ["text"])
     if args.task == "sft":
         # One instruction-answer pair per sample, its prompt masked out of the labels, whole
         # samples packed into sequences (never split; position ids restart at each).
@@ -437,33 +452,39 @@ def forward(model, batch, device):
     return logits, batch["labels"].to(device) if "labels" in batch else input_ids
 
 
-def per_sequence_loss(logits, targets):
-    """Mean next-token cross-entropy of each sequence: a [batch] tensor.
+def sequence_losses(logits, targets):
+    """Next-token cross-entropy summed over each sequence, and how many tokens were scored:
+    two [batch] tensors.
 
-    Token t predicts target t + 1; targets of -100 are not scored. Keeping one loss per
-    sequence (instead of one mean over the batch) is what per-domain losses are computed from.
+    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. Sums and
+    counts per sequence are what a mean over tokens, or over a domain's sequences, is made of.
     """
     token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
                                  reduction="none").view(targets.shape[0], -1)
-    scored = (targets[:, 1:] != -100).sum(dim=1)
-    return token_loss.sum(dim=1) / scored.clamp(min=1)
+    return token_loss.sum(dim=1), (targets[:, 1:] != -100).sum(dim=1)
+
+
+def mean_loss(logits, targets):
+    """The mean loss over the scored tokens of a batch."""
+    sums, counts = sequence_losses(logits, targets)
+    return sums.sum() / counts.sum().clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate(model, batches, device, autocast, rank, world_size):
-    """Mean loss over the validation batches (eval mode: no dropout, no RNG drawn).
+    """Mean loss per scored token of the validation batches (eval mode: no dropout).
 
     Rank r scores batches r, r + W, ...; the sums meet in an all-reduce. Every rank runs the
     same number of forward passes (under FSDP each is a collective): a rank short of a batch
     scores batch 0 again and does not count it.
     """
     model.eval()
-    total = torch.zeros(2, device=device)  # loss sum, sequence count
+    total = torch.zeros(2, device=device)  # loss sum, tokens scored
     for i in range(rank, -(-len(batches) // world_size) * world_size, world_size):
         with autocast():
-            losses = per_sequence_loss(*forward(model, batches[i % len(batches)], device))
+            sums, counts = sequence_losses(*forward(model, batches[i % len(batches)], device))
         if i < len(batches):
-            total += torch.stack([losses.sum(), torch.tensor(float(len(losses)), device=device)])
+            total += torch.stack([sums.sum(), counts.sum().float()])
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
@@ -522,7 +543,8 @@ def get_parser():
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
     add("--deterministic", action="store_true",
-        help="deterministic GPU kernels: bit-identical runs at about half the speed")
+        help="deterministic GPU kernels: bit-identical runs at about half the speed (a kernel "
+             "without a deterministic version warns)")
     add("--device", default=None,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     return parser

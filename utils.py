@@ -177,8 +177,9 @@ def die_with_parent():
     to the run that resumes it. On Linux, ask the kernel to kill this process with its parent.
     """
     if sys.platform.startswith("linux"):
+        parent = os.getppid()
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent died before we asked
+        if os.getppid() != parent:  # the parent died before we asked
             os._exit(1)
 
 

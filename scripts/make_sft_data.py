@@ -4,7 +4,7 @@
 Each record asks about one public function or class of the standard library and answers
 with the first paragraph of its docstring:
 
-    {"instruction": "What does json.dumps do?",
+    {"instruction": "What does the function json.dumps do?",
      "input": "def dumps(obj, *, skipkeys=False, ...)",
      "output": "Serialize ``obj`` to a JSON formatted ``str``. ..."}
 

@@ -341,19 +341,23 @@ def test_a_changed_global_batch_is_refused(two_ranks, tiny_model, corpus):
 
 
 def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
-    """--epochs 1 over shards of very different sizes: rank 1's slots run dry long before
-    rank 0's. Both ranks stop at the same step, save, and a rerun says the run is done."""
+    """--epochs 1 over shards of very different sizes: rank 1's slots (21 documents, 5 steps
+    of 4) run dry long before rank 0's. Both ranks stop at the same step, save (or, when that
+    step was just saved, only mark the run done), and a rerun says the run is done."""
     corpus = tmp_path / "uneven"
     write_corpus(corpus / "train", [60, 12, 60, 9], words=29)
     write_corpus(corpus / "val", [10], words=29)
     word_tokenizer().save_pretrained(corpus / "tokenizer")
-    args = args_for(tmp_path, tiny_model, corpus, max_steps=1000, epochs=1, ckpt_freq=1000)
-    result = run(args, ranks=2, timeout=120)
-    assert "The data ran out (--epochs 1)" in result.stderr
-    state = json.loads((tmp_path / "run/state.json").read_text())
-    assert state["data_exhausted"] and 0 < state["global_step"] < 10
-    assert state["checkpoint"] == f"checkpoints/step-{state['global_step']:06d}"
-    assert "it is done" in run(args, ranks=2).stderr
+    for ckpt_freq in (1000, 5):  # the last step's checkpoint is written at the end / exists
+        args = args_for(tmp_path, tiny_model, corpus, name=f"ckpt{ckpt_freq}", max_steps=1000,
+                        epochs=1, ckpt_freq=ckpt_freq)
+        result = run(args, ranks=2, timeout=120)
+        assert "The data ran out (--epochs 1) before step 6" in result.stderr
+        state = json.loads((tmp_path / f"ckpt{ckpt_freq}/state.json").read_text())
+        assert state["data_exhausted"] and state["global_step"] == 5
+        assert state["checkpoint"] == "checkpoints/step-000005"
+        assert (tmp_path / f"ckpt{ckpt_freq}/checkpoints/step-000005/model.pt").exists()
+        assert "it is done" in run(args, ranks=2).stderr
 
 
 def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):

@@ -86,16 +86,18 @@ def test_sft_pipeline_resumes_exactly(length, shuffle, batch, cuts, seed):
     assert run_with_cuts(make, cuts, 25) == straight
 
 
-def test_per_sequence_loss_ignores_masked_targets():
+def test_losses_ignore_masked_targets():
     import train_llm
 
     logits = torch.randn(2, 5, 7)
     targets = torch.tensor([[1, 2, 3, 4, 5], [1, -100, 3, -100, -100]])
-    losses = train_llm.per_sequence_loss(logits, targets)
-    token = torch.nn.functional.cross_entropy(logits[1, [1]], targets[1, [2]])
-    torch.testing.assert_close(losses[1], token)
-    full = torch.nn.functional.cross_entropy(logits[0, :-1], targets[0, 1:])
-    torch.testing.assert_close(losses[0], full)
+    sums, counts = train_llm.sequence_losses(logits, targets)
+    assert counts.tolist() == [4, 1]
+    per_token = torch.nn.functional.cross_entropy(logits[0, :-1], targets[0, 1:], reduction="none")
+    torch.testing.assert_close(sums[0], per_token.sum())
+    torch.testing.assert_close(sums[1], torch.nn.functional.cross_entropy(logits[1, [1]],
+                                                                          targets[1, [2]]))
+    torch.testing.assert_close(train_llm.mean_loss(logits, targets), (sums.sum() / 5))
 
 
 def test_sft_demo_trains_and_resumes(tiny_model, tmp_path):
