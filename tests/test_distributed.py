@@ -378,3 +378,35 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
     ddp = final_model(two_ranks)
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, ddp[name], rtol=1e-3, atol=1e-4)
+
+
+HUNG_RANK = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, {root!r})
+import utils
+dist.init_process_group("gloo")
+dist.barrier()
+utils.set_collective_timeout(datetime.timedelta(seconds=3))
+if dist.get_rank() == 1:
+    time.sleep(600)  # a hung rank: alive, but never joins the all-reduce
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))
+except Exception as e:
+    print(f"rank 0 failed after {{time.monotonic() - start:.0f}} s: {{type(e).__name__}}")
+    sys.exit(3)
+"""
+
+
+def test_a_hung_rank_fails_the_others_after_the_short_timeout(tmp_path):
+    """What --dist-timeout relies on: after utils.set_collective_timeout, a collective that a
+    rank never joins fails in seconds (gloo's default would wait 30 minutes)."""
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_RANK.format(root=str(ROOT)))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=2", str(script)], env=ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    seconds = int(result.stdout.split("rank 0 failed after ")[1].split()[0])
+    assert 2 <= seconds <= 30, result.stdout

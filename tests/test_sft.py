@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_resume import run_with_cuts
-from test_train import ROOT, metrics, train
+from test_train import ROOT, global_step, metrics, start, train, wait_for
 from transformers import AutoTokenizer
 
 import data
@@ -100,23 +100,37 @@ def test_losses_ignore_masked_targets():
     torch.testing.assert_close(train_llm.mean_loss(logits, targets), (sums.sum() / 5))
 
 
-def test_sft_demo_trains_and_resumes(tiny_model, tmp_path):
-    """`--task sft` end to end on the shipped instruction data; stopped by --max-steps and
-    continued, the loss goes down and the run stays well-formed."""
-    args = ["--experiment-name=sft", f"--save-dir={tmp_path}", f"--model-name={tiny_model}",
-            "--task=sft", "--seq-length=64", "--batch-size=4", "--lr=1e-2", "--warmup-steps=3",
-            "--log-freq=5", "--val-freq=10", "--val-batches=2", "--ckpt-freq=10",
-            "--wandb=disabled"]
-    result = train(args + ["--max-steps=10"])
+def test_sft_demo_trains_and_resumes_exactly(tiny_model, tmp_path):
+    """`--task sft` end to end on the shipped instruction data: it learns, and a run killed
+    after its first checkpoint and restarted ends with the very weights of one that was not."""
+    def args(name):
+        return [f"--experiment-name={name}", f"--save-dir={tmp_path}",
+                f"--model-name={tiny_model}", "--task=sft", "--seq-length=64", "--batch-size=4",
+                "--lr=1e-2", "--warmup-steps=3", "--log-freq=5", "--val-freq=10",
+                "--val-batches=2", "--ckpt-freq=10", "--max-steps=30", "--wandb=disabled"]
+
+    result = train(args("straight"))
     assert result.returncode == 0, result.stderr
-    result = train(args + ["--max-steps=30"])
+    killed = tmp_path / "killed"
+    proc = start(args("killed"), tmp_path / "log.txt")
+    try:
+        wait_for(lambda: global_step(killed) >= 10, proc)
+    finally:
+        proc.kill()
+    proc.wait()
+    result = train(args("killed"))
     assert result.returncode == 0, result.stderr
     assert "Resuming" in result.stderr
-    rows = metrics(tmp_path / "sft")
-    assert [row["step"] for row in rows] == list(range(1, 31))
+
+    rows = metrics(tmp_path / "straight")
     first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5
     assert last < first - 1.0, (first, last)
-    state = json.loads((tmp_path / "sft/state.json").read_text())
+    assert [(r["step"], r["loss"]) for r in metrics(killed)] == [(r["step"], r["loss"])
+                                                                 for r in rows]
+    final = "checkpoints/step-000030/model.pt"
+    a, b = (torch.load(d / final, weights_only=True) for d in (killed, tmp_path / "straight"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((killed / "state.json").read_text())
     assert state["config"]["task"] == "sft"
-    loader = json.loads((tmp_path / "sft/checkpoints/step-000030/loader-rank0.json").read_text())
+    loader = json.loads((killed / "checkpoints/step-000030/loader-rank0.json").read_text())
     assert "data/sft/train-000.jsonl" in json.dumps(loader)
