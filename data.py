@@ -20,6 +20,7 @@ import collections
 import glob
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -33,6 +34,18 @@ import torch
 log = logging.getLogger("data")
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
+
+
+def rng_state(rng):
+    """A random.Random's state as JSON-able lists."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng, state):
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+    return rng
 
 
 class Stage:
@@ -789,16 +802,14 @@ class Shuffle(Stage):
         for entry in self.buffer:
             if entry[1] is None:
                 entry[1] = to_json(entry[0])
-        version, internal, gauss = self.rng.getstate()
         return self._state(buffer=[entry[1] for entry in self.buffer], exhausted=self.exhausted,
-                           rng=[version, list(internal), gauss])
+                           rng=rng_state(self.rng))
 
     def load_state_dict(self, state):
         self._load(state)
         self.buffer = [[from_json(s), s] for s in state["buffer"]]
         self.exhausted = state["exhausted"]
-        version, internal, gauss = state["rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
+        set_rng_state(self.rng, state["rng"])
 
 
 def collate(samples):
@@ -902,6 +913,117 @@ class Prefetch(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixing domains
+# ----------------------------------------------------------------------------------------------
+
+class OnlineMixer:
+    """Online Data Mixing (Albalak et al., 2023): the domains are the arms of a multi-armed
+    bandit whose reward is the training loss, so sampling moves toward the domains the model
+    has not learned yet.
+
+    ``probabilities`` are the initial ``weights`` until ``warmup_steps`` are done; after that,
+    every ``update(losses, step)`` (``losses``: {domain index: mean loss in this step's batch})
+    smooths the rewards R with ``alpha`` and recomputes the probabilities, keeping an
+    exploration floor eps_t = min(1/K, sqrt(ln K / (K t))) under every domain:
+
+    - ``exp3`` (the paper): R_i <- a R_i + (1 - a) L_i / p_i for the domains in the batch;
+      p = (1 - K eps_t) softmax(eps_{t-1} R) + eps_t.
+    - ``smoothed-mean`` (the public code): R_i <- a R_i + (1 - a) exp(L_i);
+      p_i = (1 - K eps_t) R_i / sum_j R_j + eps_t.
+
+    All of its state is plain numbers, saved with the Mix stage that samples from it.
+    """
+
+    def __init__(self, weights, *, variant="exp3", alpha=0.9, warmup_steps=0):
+        if variant not in ("exp3", "smoothed-mean"):
+            raise ValueError(f"variant={variant!r}: use 'exp3' or 'smoothed-mean'")
+        total = sum(weights)
+        self.probabilities = [w / total for w in weights]
+        self.rewards = [0.0] * len(weights)
+        self.variant, self.alpha, self.warmup_steps = variant, alpha, warmup_steps
+        self.config = {"weights": list(weights), "variant": variant, "alpha": alpha,
+                       "warmup_steps": warmup_steps}
+
+    def epsilon(self, t):
+        k = len(self.rewards)
+        return 1 / k if t <= 0 else min(1 / k, math.sqrt(math.log(k) / (k * t)))
+
+    def update(self, losses, step):
+        if step <= self.warmup_steps:
+            return
+        a = self.alpha
+        for i, loss in losses.items():
+            gain = loss / self.probabilities[i] if self.variant == "exp3" else math.exp(loss)
+            self.rewards[i] = a * self.rewards[i] + (1 - a) * gain
+        k, eps = len(self.rewards), self.epsilon(step)
+        if self.variant == "exp3":
+            scaled = [self.epsilon(step - 1) * r for r in self.rewards]
+            top = max(scaled)  # softmax without overflow
+            exps = [math.exp(x - top) for x in scaled]
+            shares = [e / sum(exps) for e in exps]
+        else:
+            total = sum(self.rewards)
+            shares = [r / total for r in self.rewards]
+        self.probabilities = [(1 - k * eps) * share + eps for share in shares]
+
+    def state_dict(self):
+        return {"config": self.config, "probabilities": self.probabilities,
+                "rewards": self.rewards}
+
+    def load_state_dict(self, state):
+        if state["config"] != self.config:
+            raise ValueError(f"OnlineMixer: the saved state was made with {state['config']}, "
+                             f"this mixer has {self.config}")
+        self.probabilities, self.rewards = list(state["probabilities"]), list(state["rewards"])
+
+
+class Mix(Stage):
+    """Interleaves named pipelines: each sample's domain is drawn with this stage's own RNG
+    from the current probabilities (fixed ``weights``, or an OnlineMixer's), and the sample is
+    tagged with its domain's index (``sample["domain"]``).
+
+    The draw depends on training losses when a mixer adapts, so Mix must run in the consumer
+    (the training loop's thread): put a Prefetch under each domain's pipeline, never above
+    Mix. The state holds every domain pipeline's state, the RNG and the mixer.
+    """
+
+    def __init__(self, pipelines, weights=None, *, seed=0, mixer=None):
+        self.names, self.pipelines = list(pipelines), list(pipelines.values())
+        if mixer is None and (weights is None or len(weights) != len(self.names)):
+            raise ValueError(f"Mix: give one weight per domain ({self.names}) or a mixer")
+        self.weights, self.mixer = weights, mixer
+        self.rng = random.Random(seed)
+        self.config = {"domains": self.names, "seed": seed}
+
+    @property
+    def probabilities(self):
+        return self.mixer.probabilities if self.mixer else self.weights
+
+    def __next__(self):
+        i = self.rng.choices(range(len(self.names)), weights=self.probabilities)[0]
+        sample = next(self.pipelines[i])
+        sample["domain"] = i
+        return sample
+
+    def state_dict(self):
+        return {"config": self.config, "rng": rng_state(self.rng),
+                "upstream": [p.state_dict() for p in self.pipelines],
+                "mixer": self.mixer.state_dict() if self.mixer else None}
+
+    def load_state_dict(self, state):
+        self._check_config(state["config"])
+        set_rng_state(self.rng, state["rng"])
+        for pipeline, upstream in zip(self.pipelines, state["upstream"]):
+            pipeline.load_state_dict(upstream)
+        if self.mixer:
+            self.mixer.load_state_dict(state["mixer"])
+
+    def close(self):
+        for pipeline in self.pipelines:
+            pipeline.close()
+
+
+# ----------------------------------------------------------------------------------------------
 # Resuming on another number of ranks
 # ----------------------------------------------------------------------------------------------
 
@@ -954,14 +1076,11 @@ def reshard(pipeline, states):
         if isinstance(stage, Shuffle):
             buffer = [sample for i in mine for sample in olds[i]["buffer"]]
             report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
-            rng = random.Random()
-            version, internal, gauss = olds[rank % len(olds)]["rng"]
-            rng.setstate((version, tuple(internal), gauss))
+            rng = set_rng_state(random.Random(), olds[rank % len(olds)]["rng"])
             if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
                 rng.seed(f"{rng.getrandbits(64)}-{rank}")
-            version, internal, gauss = rng.getstate()
             return {"config": stage.config, "upstream": merge(stage.src, ups), "buffer": buffer,
-                    "exhausted": False, "rng": [version, list(internal), gauss]}
+                    "exhausted": False, "rng": rng_state(rng)}
         if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
             raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
         # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.

@@ -1,0 +1,120 @@
+"""Mixing domains: data.Mix with fixed weights and with the Online Data Mixing bandit."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from data import Mix, OnlineMixer, Prefetch, Sequence
+
+
+def test_exp3_against_hand_computed_values():
+    mixer = OnlineMixer([1, 1], variant="exp3", alpha=0.9)
+    # Step 1: both domains in the batch, p = (0.5, 0.5).
+    # R = 0.1 * L / p = (0.1 * 2.0 / 0.5, 0.1 * 1.0 / 0.5) = (0.4, 0.2).
+    # eps_1 = min(1/2, sqrt(ln 2 / 2)) = 0.5, so 1 - K eps = 0: p = (0.5, 0.5).
+    mixer.update({0: 2.0, 1: 1.0}, step=1)
+    assert mixer.rewards == pytest.approx([0.4, 0.2])
+    assert mixer.probabilities == pytest.approx([0.5, 0.5])
+    # Step 2: only domain 0. R0 = 0.9 * 0.4 + 0.1 * 2.0 / 0.5 = 0.76, R1 stays 0.2.
+    # softmax(eps_1 R) = softmax(0.38, 0.10); eps_2 = sqrt(ln 2 / 4) = 0.41628.
+    mixer.update({0: 2.0}, step=2)
+    eps2 = math.sqrt(math.log(2) / 4)
+    share0 = math.exp(0.38) / (math.exp(0.38) + math.exp(0.10))
+    assert mixer.rewards == pytest.approx([0.76, 0.2])
+    assert mixer.probabilities == pytest.approx([(1 - 2 * eps2) * share0 + eps2,
+                                                 (1 - 2 * eps2) * (1 - share0) + eps2])
+    assert mixer.probabilities[0] == pytest.approx(0.5116, abs=1e-4)  # by hand
+
+
+def test_smoothed_mean_against_hand_computed_values():
+    mixer = OnlineMixer([1, 1, 2], variant="smoothed-mean", alpha=0.5, warmup_steps=1)
+    mixer.update({0: 1.0, 1: 2.0, 2: 3.0}, step=1)  # inside warm-up: nothing changes
+    assert mixer.probabilities == [0.25, 0.25, 0.5] and mixer.rewards == [0, 0, 0]
+    # Step 100: R = 0.5 * exp(L); eps = min(1/3, sqrt(ln 3 / 300)) = 0.060514.
+    mixer.update({0: 1.0, 1: 2.0, 2: 0.0}, step=100)
+    rewards = [0.5 * math.e, 0.5 * math.e ** 2, 0.5]
+    eps = math.sqrt(math.log(3) / 300)
+    assert mixer.rewards == pytest.approx(rewards)
+    assert mixer.probabilities == pytest.approx(
+        [(1 - 3 * eps) * r / sum(rewards) + eps for r in rewards])
+    assert sum(mixer.probabilities) == pytest.approx(1)
+
+
+@pytest.mark.parametrize("variant, at_least", [("exp3", 0.36), ("smoothed-mean", 0.8)])
+def test_the_mixer_moves_toward_the_domain_that_stays_hard(variant, at_least):
+    """Domain 2's loss stays at 4 while the others fall to 1: its probability must grow
+    above its initial third and above every other domain's. (exp3 moves slowly: its softmax
+    temperature is eps_t, 0.027 at step 500; smoothed-mean weighs exp(loss) directly.)"""
+    mixer = OnlineMixer([1, 1, 1], variant=variant, alpha=0.9, warmup_steps=10)
+    for step in range(1, 501):
+        easy = max(1.0, 4.0 - step / 50)
+        mixer.update({0: easy, 1: easy, 2: 4.0}, step)
+    p = mixer.probabilities
+    assert p[2] > at_least and p[2] > max(p[0], p[1]), p
+
+
+def test_fixed_weights_draw_domains_in_proportion():
+    weights = [0.5, 0.3, 0.2]
+    mix = Mix({name: Sequence([{"x": name}], repeat=True) for name in "abc"}, weights, seed=3)
+    n = 20_000
+    counts = [0, 0, 0]
+    for _ in range(n):
+        counts[next(mix)["domain"]] += 1
+    for count, w in zip(counts, weights):
+        sigma = math.sqrt(n * w * (1 - w))
+        assert abs(count - n * w) < 4 * sigma, (counts, weights)  # fails by chance ~1e-4
+
+
+def make_mix(weights, variant, warmup, seed, prefetch):
+    domains = {}
+    for d, name in enumerate(["code", "web", "books"][:len(weights)]):
+        pipe = Sequence([{"id": f"{name}-{i}"} for i in range(5 + d)], repeat=True, shuffle=True,
+                        seed=seed)
+        domains[name] = Prefetch(pipe) if prefetch else pipe
+    mixer = None if variant == "fixed" else OnlineMixer(weights, variant=variant,
+                                                         warmup_steps=warmup)
+    return Mix(domains, weights, seed=seed, mixer=mixer)
+
+
+def train_like(make, cuts, steps, batch=4):
+    """Drive a Mix as the trainer would: a batch per step, then per-domain losses (made up,
+    but a function of what was drawn) fed to the mixer. Cut at the given steps: state through
+    JSON, a new Mix, load, go on. Returns the samples and the probabilities of every step."""
+    mix, out = make(), []
+    for step in range(1, steps + 1):
+        if step in cuts:
+            state = json.loads(json.dumps(mix.state_dict()))
+            mix.close()
+            mix = make()
+            mix.load_state_dict(state)
+        samples = [next(mix) for _ in range(batch)]
+        losses = {}
+        for s in samples:
+            losses.setdefault(s["domain"], []).append(1 + len(s["id"]) % 3 + s["domain"])
+        if mix.mixer:
+            mix.mixer.update({d: sum(v) / len(v) for d, v in losses.items()}, step)
+        out.append(([s["id"] for s in samples], list(mix.probabilities)))
+    mix.close()
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.integers(1, 5), min_size=2, max_size=3),
+       variant=st.sampled_from(["fixed", "exp3", "smoothed-mean"]), warmup=st.integers(0, 8),
+       seed=st.integers(0, 3), prefetch=st.booleans(),
+       cuts=st.sets(st.integers(1, 20), min_size=1, max_size=3))
+def test_mix_resumes_exactly_inside_and_after_warmup(weights, variant, warmup, seed, prefetch,
+                                                     cuts):
+    def make():
+        return make_mix(weights, variant, warmup, seed, prefetch)
+
+    assert train_like(make, cuts, 20) == train_like(make, set(), 20)
+
+
+def test_a_mix_state_from_other_domains_is_refused():
+    state = make_mix([1, 1], "exp3", 0, 0, False).state_dict()
+    with pytest.raises(ValueError, match="domains"):
+        make_mix([1, 1, 1], "exp3", 0, 0, False).load_state_dict(state)
