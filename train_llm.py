@@ -47,7 +47,8 @@ DEFAULT_DATA = {"pretrain": "data/sample/*/", "sft": "data/sft/"}
 # the world size. Everything else (--max-steps, logging, checkpointing, threads) may change.
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
-               "active_shards", "shuffle_buffer", "epochs", "fsdp", "task")
+               "active_shards", "shuffle_buffer", "epochs", "fsdp", "task", "mix", "odm",
+               "odm_warmup_steps", "odm_alpha")
 
 
 def main():
@@ -107,7 +108,7 @@ def main():
                     f"(step {state['global_step']} of {args.max_steps})")
     else:
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
-                 "wandb_run_id": None, "config": fingerprint}
+                 "wandb_run_id": None, "config": fingerprint, "domain_tokens": {}}
         LOGGER.info(f"Starting {exp_dir} from scratch")
     if rank == 0:
         # A run killed after its last checkpoint may have logged (and half-saved) later steps.
@@ -205,13 +206,32 @@ def main():
 
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
 
-    # Data: a background thread reads, tokenizes and batches ahead, so the GPU never waits.
-    train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True)
+    # Mixing domains (--mix, --odm): the mixer's probabilities decide each sequence's domain.
+    # With --odm they follow the per-domain training losses (a bandit: data.OnlineMixer);
+    # without it they stay the --mix weights.
+    domains, weights, mixer = [], None, None
+    if args.mix or args.odm != "off":
+        domains, weights = mixture_weights(args)
+        weights = [w / sum(weights) for w in weights]
+        if args.odm != "off":
+            mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
+                                     warmup_steps=args.odm_warmup_steps)
+
+    # Data: background threads read, tokenize and batch ahead, so the GPU never waits.
+    train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
+                                  weights=weights, mixer=mixer)
     # Validation always scores the same held-out batches, whatever the world size: all ranks
-    # read them (once, kept in memory) and each scores every world_size-th one.
-    val_pipeline = build_pipeline(args.val_dataset, tokenizer, args, 0, 1, train=False)
-    val_batches = list(data.Take(val_pipeline, args.val_batches))
-    val_pipeline.close()
+    # read them (once, kept in memory) and each scores every world_size-th one. With domains,
+    # --val-batches of every domain, each batch tagged with its domain.
+    val_sets = {d: p for d, p in find_domains(args.val_dataset).items()} if domains else {}
+    if domains and list(val_sets) != domains:
+        sys.exit(f"--val-dataset has the domains {list(val_sets)}, --dataset {domains}")
+    val_batches = []
+    for i, urls in enumerate(val_sets.values() if domains else [args.val_dataset]):
+        val_pipeline = build_pipeline(urls, tokenizer, args, 0, 1, train=False)
+        for batch in data.Take(val_pipeline, args.val_batches):
+            val_batches.append(batch | ({"domain": [i] * args.batch_size} if domains else {}))
+        val_pipeline.close()
     if not val_batches:
         sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
 
@@ -316,27 +336,41 @@ def main():
                 break
 
             loss_sum = torch.zeros((), device=device)
+            # Per domain: loss sums, tokens scored and sequences, for the mixer and the logs.
+            domain_stats = torch.zeros(3, len(domains), device=device)
+            probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             for i, batch in enumerate(batches):
                 # Gradients are averaged across ranks once per step, in the last backward.
                 with utils.gradient_sync(model, enabled=i == args.grad_accum - 1):
                     with timers["forward"], autocast():
                         logits, targets = forward(model, batch, device)
-                        loss = mean_loss(logits, targets) / args.grad_accum
+                        sums, counts = sequence_losses(logits, targets)
+                        loss = sums.sum() / counts.sum().clamp(min=1) / args.grad_accum
                     # Backward needs no logits ([batch, seq, vocab], the largest activation):
                     # dropping our reference lets them be freed before backward's peak.
                     del logits
                     with timers["backward"]:
                         loss.backward()
                 loss_sum += loss.detach()
+                if domains:
+                    index = torch.tensor(batch["domain"], device=device)
+                    for row, value in enumerate((sums.detach(), counts, torch.ones_like(sums))):
+                        domain_stats[row].index_add_(0, index, value.to(domain_stats.dtype))
 
             with timers["update"]:
                 # The logged loss is the mean over all ranks. A signal may reach the ranks at
                 # different steps: the same all-reduce tells all of them to stop at this one.
+                # Every rank's mixer sees the same per-domain losses, so all stay identical.
                 stop_flag = torch.tensor(float(stop.is_set()), device=device)
-                reduced = torch.stack([loss_sum, stop_flag])
+                reduced = torch.cat([torch.stack([loss_sum, stop_flag]), domain_stats.flatten()])
                 if world_size > 1:
                     dist.all_reduce(reduced)
-                loss_value, stopping = (reduced / world_size).tolist()
+                loss_value, stopping, *stats = reduced.tolist()
+                loss_value /= world_size
+                domain_loss = {i: stats[i] / stats[len(domains) + i]
+                               for i in range(len(domains)) if stats[len(domains) + i]}
+                if mixer:
+                    mixer.update(domain_loss, step)
                 grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip)).item()
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -358,6 +392,14 @@ def main():
 
             metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                        "tokens_seen": state["tokens_seen"]}
+            for i, name in enumerate(domains):
+                sequences_seen = int(stats[2 * len(domains) + i])
+                state["domain_tokens"][name] = (state["domain_tokens"].get(name, 0)
+                                                + sequences_seen * args.seq_length)
+                metrics[f"mix/p_{name}"] = probabilities[i]
+                metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name]
+                if i in domain_loss:
+                    metrics[f"mix/loss_{name}"] = domain_loss[i]
             if step % args.log_freq == 0 or step == args.max_steps:
                 seconds = {name: timer.pop() for name, timer in timers.items()}
                 step_seconds = sum(seconds.values())
@@ -372,8 +414,10 @@ def main():
                     **utils.memory_stats(device),
                 }
             if step % args.val_freq == 0 or step == args.max_steps:
-                metrics["val_loss"] = evaluate(model, val_batches, device, autocast, rank,
-                                               world_size)
+                val_loss, per_domain = evaluate(model, val_batches, device, autocast, rank,
+                                                world_size, len(domains))
+                metrics["val_loss"] = val_loss
+                metrics |= {f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}
             if rank == 0:
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
@@ -402,13 +446,33 @@ def main():
         LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens.")
 
 
-def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
+def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=None,
+                   mixer=None):
     """JSONL documents -> token ids -> chunks of --seq-length -> batches [batch, seq_length].
 
     Training reads --active-shards shards at a time, round-robin, so that a batch mixes
     domains; it reads them forever (or for --epochs passes), in a seeded order reshuffled every
     epoch, and shuffles chunks in a buffer. Validation reads its shards once, in order.
+
+    With ``weights`` (--mix, --odm), every domain (see find_domains) gets a pipeline of its
+    own, and Mix draws each sequence's domain from the weights, or from the mixer's
+    probabilities. Those depend on the training losses, so Mix and Batch run in the training
+    loop's thread; each domain's pipeline is prefetched in the background.
     """
+    if weights is not None:
+        domains = find_domains(urls)
+        pipes = {name: sequences(pattern, tokenizer, args, rank, world_size, train)
+                 for name, pattern in domains.items()}
+        pipe = data.Mix({name: data.Prefetch(p) for name, p in pipes.items()}, weights,
+                        seed=args.seed, mixer=mixer)
+        return data.Batch(pipe, args.batch_size, drop_last=True)
+    pipe = sequences(urls, tokenizer, args, rank, world_size, train)
+    pipe = data.Batch(pipe, args.batch_size, drop_last=True)
+    return data.Prefetch(pipe) if train else pipe
+
+
+def sequences(urls, tokenizer, args, rank, world_size, train):
+    """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item."""
     # The global document order is a round-robin over the shard slots and does not depend on
     # the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it reads
     # documents r, r + W, ... of that order and nothing it would throw away.
@@ -432,8 +496,31 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train):
         pipe = data.ConcatChunk(pipe, args.seq_length)
     if train:
         pipe = data.Shuffle(pipe, args.shuffle_buffer, seed=args.seed)
-    pipe = data.Batch(pipe, args.batch_size, drop_last=True)
-    return data.Prefetch(pipe) if train else pipe
+    return pipe
+
+
+def find_domains(pattern):
+    """{domain: its shards}: the directories that the first * of ``pattern`` stands for, so
+    "data/sample/*/train-*.jsonl" has the domains code, docstrings, prose and reference."""
+    root, _, rest = pattern.partition("/*/")
+    if not rest:
+        sys.exit(f"--mix/--odm need domains as directories: a --dataset like root/*/shards, "
+                 f"not {pattern!r}")
+    names = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and any(p.glob(rest)))
+    return {name: f"{root}/{name}/{rest}" for name in names}
+
+
+def mixture_weights(args):
+    """The initial mixture: --mix name=weight,... or uniform over the domains."""
+    names = list(find_domains(args.dataset))
+    if not args.mix:
+        return names, [1.0] * len(names)
+    weights = dict(item.split("=") for item in args.mix.split(","))
+    unknown = set(weights) - set(names)
+    if unknown or len(weights) != len(names):
+        sys.exit(f"--mix {args.mix}: give a weight to each domain of {names}; "
+                 f"unknown: {sorted(unknown)}")
+    return names, [float(weights[name]) for name in names]
 
 
 def forward(model, batch, device):
@@ -464,31 +551,32 @@ def sequence_losses(logits, targets):
     return token_loss.sum(dim=1), (targets[:, 1:] != -100).sum(dim=1)
 
 
-def mean_loss(logits, targets):
-    """The mean loss over the scored tokens of a batch."""
-    sums, counts = sequence_losses(logits, targets)
-    return sums.sum() / counts.sum().clamp(min=1)
-
-
 @torch.no_grad()
-def evaluate(model, batches, device, autocast, rank, world_size):
-    """Mean loss per scored token of the validation batches (eval mode: no dropout).
+def evaluate(model, batches, device, autocast, rank, world_size, n_domains=0):
+    """Mean loss per scored token of the validation batches, and of each domain's batches
+    (eval mode: no dropout).
 
     Rank r scores batches r, r + W, ...; the sums meet in an all-reduce. Every rank runs the
     same number of forward passes (under FSDP each is a collective): a rank short of a batch
     scores batch 0 again and does not count it.
     """
     model.eval()
-    total = torch.zeros(2, device=device)  # loss sum, tokens scored
+    total = torch.zeros(2, 1 + n_domains, device=device)  # loss sums, tokens; all, per domain
     for i in range(rank, -(-len(batches) // world_size) * world_size, world_size):
+        batch = batches[i % len(batches)]
         with autocast():
-            sums, counts = sequence_losses(*forward(model, batches[i % len(batches)], device))
+            sums, counts = sequence_losses(*forward(model, batch, device))
         if i < len(batches):
-            total += torch.stack([sums.sum(), counts.sum().float()])
+            total[:, 0] += torch.stack([sums.sum(), counts.sum().float()])
+            if n_domains:
+                index = torch.tensor(batch["domain"], device=device) + 1
+                total[0].index_add_(0, index, sums.float())
+                total[1].index_add_(0, index, counts.float())
     if world_size > 1:
         dist.all_reduce(total)
     model.train()
-    return (total[0] / total[1]).item()
+    losses = (total[0] / total[1].clamp(min=1)).tolist()
+    return losses[0], losses[1:]
 
 
 def get_parser():
@@ -542,6 +630,14 @@ def get_parser():
         help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
+    add("--mix", default=None, metavar="NAME=W,...",
+        help="mix the domains of --dataset (the directories its first * stands for) with these "
+             "weights, e.g. code=0.4,docstrings=0.3,prose=0.2,reference=0.1")
+    add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
+        help="Online Data Mixing: move the mixture toward domains whose loss stays high")
+    add("--odm-warmup-steps", type=int, default=50,
+        help="steps with the initial weights before ODM starts to adapt")
+    add("--odm-alpha", type=float, default=0.9, help="smoothing of ODM's per-domain rewards")
     add("--deterministic", action="store_true",
         help="deterministic GPU kernels: bit-identical runs at about half the speed (a kernel "
              "without a deterministic version warns)")

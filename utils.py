@@ -378,7 +378,11 @@ def discard_after(exp_dir, step):
 
 
 def source_epoch(loader_state):
-    """The epoch (pass over the training shards) that a pipeline's source is in."""
-    while "upstream" in loader_state:
-        loader_state = loader_state["upstream"]
-    return loader_state["epoch"]
+    """The epoch (pass over the training shards) that a pipeline's source is in; with several
+    domains (Mix), the smallest."""
+    upstream = loader_state.get("upstream")
+    if upstream is None:
+        return loader_state["epoch"]
+    if isinstance(upstream, list):
+        return min(source_epoch(state) for state in upstream)
+    return source_epoch(upstream)

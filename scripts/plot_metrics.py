@@ -1,4 +1,5 @@
-"""Plot a run's training loss, validation loss and throughput from its metrics.jsonl.
+"""Plot a run's training loss, validation loss and throughput from its metrics.jsonl, and,
+for a run that mixes domains (--mix, --odm), each domain's probability and validation loss.
 
     python scripts/plot_metrics.py outputs/demo      # writes outputs/demo/metrics.png
 """
@@ -29,12 +30,22 @@ def main():
         points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
         return [step for step, _ in points], [value for _, value in points]
 
-    fig, (loss_ax, speed_ax) = plt.subplots(2, 1, sharex=True, figsize=(8, 6))
+    domains = sorted(key[len("mix/p_"):] for key in rows[-1] if key.startswith("mix/p_"))
+    fig, axes = plt.subplots(4 if domains else 2, 1, sharex=True,
+                             figsize=(8, 11 if domains else 6))
+    loss_ax, speed_ax = axes[0], axes[-1]
     loss_ax.plot(*series("loss"), linewidth=0.8, label="train loss")
     loss_ax.plot(*series("val_loss"), "o-", label="validation loss")
     loss_ax.set_ylabel("loss (nats/token)")
-    loss_ax.legend()
-    loss_ax.grid(alpha=0.3)
+    if domains:
+        for name in domains:
+            axes[1].plot(*series(f"mix/p_{name}"), label=name)
+            axes[2].plot(*series(f"val_loss/{name}"), "o-", label=name)
+        axes[1].set_ylabel("sampling probability")
+        axes[2].set_ylabel("validation loss")
+    for ax in axes[:-1]:
+        ax.legend()
+        ax.grid(alpha=0.3)
     speed_ax.plot(*series("tokens_per_s"), color="tab:green")
     speed_ax.set_ylabel("tokens / s")
     speed_ax.set_xlabel("optimizer step")

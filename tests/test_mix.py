@@ -2,10 +2,13 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_train import ROOT
 
 from data import Mix, OnlineMixer, Prefetch, Sequence
 
@@ -118,3 +121,45 @@ def test_a_mix_state_from_other_domains_is_refused():
     state = make_mix([1, 1], "exp3", 0, 0, False).state_dict()
     with pytest.raises(ValueError, match="domains"):
         make_mix([1, 1, 1], "exp3", 0, 0, False).load_state_dict(state)
+
+
+def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model, tmp_path):
+    """`--odm exp3` on the four sample domains: SIGKILL once inside the warm-up and once after
+    it; the restarted run ends with the very weights, loader state and probability
+    trajectory of an uninterrupted one, and the probabilities did move."""
+    import torch
+    from test_train import digest, global_step, metrics, start, train, train_args, wait_for
+
+    def args(name):
+        return train_args(tmp_path, tiny_model, name=name, odm="exp3", odm_warmup_steps=12,
+                          ckpt_freq=5, max_steps=30)
+
+    result = train(args("straight"))
+    assert result.returncode == 0, result.stderr
+    killed = tmp_path / "killed"
+    for at_least in (5, 15):  # a checkpoint inside the warm-up, then one after it
+        proc = start(args("killed"), tmp_path / "log.txt")
+        try:
+            wait_for(lambda: global_step(killed) >= at_least, proc)  # noqa: B023
+        finally:
+            proc.kill()
+        proc.wait()
+    result = train(args("killed"))
+    assert result.returncode == 0, result.stderr
+
+    straight = tmp_path / "straight"
+    final = "checkpoints/step-000030"
+    a, b = (torch.load(d / final / "model.pt", weights_only=True) for d in (killed, straight))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert digest(killed / final / "loader-rank0.json") == digest(straight / final /
+                                                                 "loader-rank0.json")
+    keys = [k for k in metrics(straight)[-1] if k.startswith(("mix/", "val_loss"))] + ["loss"]
+    assert len([k for k in keys if k.startswith("mix/p_")]) == 4
+    assert ([[row.get(k) for k in keys] for row in metrics(killed)]
+            == [[row.get(k) for k in keys] for row in metrics(straight)])
+    first, last = metrics(straight)[0], metrics(straight)[-1]
+    assert all(first[f"mix/p_{d}"] == 0.25 for d in ("code", "docstrings", "prose", "reference"))
+    assert any(abs(last[k] - 0.25) > 1e-3 for k in keys if k.startswith("mix/p_"))
+    result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(straight)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
