@@ -223,7 +223,7 @@ def main():
     # Validation always scores the same held-out batches, whatever the world size: all ranks
     # read them (once, kept in memory) and each scores every world_size-th one. With domains,
     # --val-batches of every domain, each batch tagged with its domain.
-    val_sets = {d: p for d, p in find_domains(args.val_dataset).items()} if domains else {}
+    val_sets = find_domains(args.val_dataset) if domains else {}
     if domains and list(val_sets) != domains:
         sys.exit(f"--val-dataset has the domains {list(val_sets)}, --dataset {domains}")
     val_batches = []
@@ -515,7 +515,10 @@ def mixture_weights(args):
     names = list(find_domains(args.dataset))
     if not args.mix:
         return names, [1.0] * len(names)
-    weights = dict(item.split("=") for item in args.mix.split(","))
+    try:
+        weights = {name: float(w) for name, w in (item.split("=") for item in args.mix.split(","))}
+    except ValueError:
+        sys.exit(f"--mix {args.mix!r}: expected name=weight,name=weight,...")
     unknown = set(weights) - set(names)
     if unknown or len(weights) != len(names):
         sys.exit(f"--mix {args.mix}: give a weight to each domain of {names}; "
