@@ -248,12 +248,14 @@ def main():
             optimizer.load_state_dict(utils.load(ckpt_dir / "optimizer.pt", device))
         lr_scheduler.load_state_dict(utils.load(ckpt_dir / "lr_scheduler.pt", device))
         saved_world = state.get("world_size", 1)
-        loader_states = [json.loads((ckpt_dir / f"loader-rank{r}.json").read_text())
-                         for r in range(saved_world)]
+
+        def loader_state(r):
+            return json.loads((ckpt_dir / f"loader-rank{r}.json").read_text())
+
         if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
-            train_loader.load_state_dict(loader_states[rank])
+            train_loader.load_state_dict(loader_state(rank))
         else:  # another number of ranks: see data.reshard for the guarantee
-            report = data.reshard(train_loader, loader_states)
+            report = data.reshard(train_loader, [loader_state(r) for r in range(saved_world)])
             LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
                         f"skipped or repeated; {report}")
         rng_file = ckpt_dir / f"rng-rank{rank}.pt"
