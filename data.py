@@ -17,6 +17,7 @@ would have yielded next. States are plain JSON. Sources resume by seeking, never
 
 import array
 import collections
+import copy
 import glob
 import json
 import logging
@@ -286,8 +287,7 @@ class Files(Stage):
     def advanced(self, state, n):
         """The state ``n`` records after ``state``, which any rank of any world size may have
         saved: resharding uses it to find where a rank's consumer really was."""
-        other = Files.__new__(Files)
-        other.__dict__.update(self.__dict__)
+        other = copy.copy(self)  # same shards and seed; slots and files of its own below
         other.config = {**self.config, "rank": state["config"]["rank"],
                         "world_size": state["config"]["world_size"]}
         other._files = []

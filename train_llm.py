@@ -330,8 +330,7 @@ def main():
             if not data_left:
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
                 state["data_exhausted"] = True
-                if state["global_step"] != int(state["checkpoint"][-6:] if state["checkpoint"]
-                                               else 0):
+                if state["checkpoint"] != f"checkpoints/step-{state['global_step']:06d}":
                     save_checkpoint()
                 elif rank == 0:  # the last checkpoint is this step's: only say we are done
                     utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))

@@ -112,7 +112,6 @@ def format_metrics(m):
     return line
 
 
-
 def peak_flops(device):
     """The GPU's peak FLOP/s, or None where MFU means nothing (CPU, unknown GPU)."""
     if device.type != "cuda":
