@@ -26,16 +26,16 @@ import os
 import queue
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import braceexpand
+import pyarrow
+import pyarrow.parquet
 import smart_open
 import torch
 
 log = logging.getLogger("data")
-
-_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
-
 
 def rng_state(rng):
     """A random.Random's state as JSON-able lists."""
@@ -98,6 +98,22 @@ class Stage:
 # Sources
 # ----------------------------------------------------------------------------------------------
 
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """Bad input: the message names the shard (or dataset) and where in it."""
+
+
+def shard_format(url):
+    """"jsonl" or "parquet" from a shard's name (compression suffix aside), else None."""
+    name = url.split("?")[0]
+    for suffix in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return _FORMATS.get(os.path.splitext(name)[1])
+
+
 def expand_urls(urls):
     """Brace patterns, local globs and local directories -> a sorted-as-given list of URLs."""
     out = []
@@ -106,7 +122,7 @@ def expand_urls(urls):
             local = "://" not in url
             if local and os.path.isdir(url):
                 found = sorted(p for p in glob.glob(os.path.join(url, "**", "*"), recursive=True)
-                               if os.path.isfile(p) and ".json" in os.path.basename(p))
+                               if os.path.isfile(p) and shard_format(p))
             elif local and glob.has_magic(url):
                 found = sorted(glob.glob(url))
             else:
@@ -117,32 +133,91 @@ def expand_urls(urls):
     return out
 
 
+# Network faults worth retrying, matched by class name so that data.py need not import every
+# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
+_TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
+              "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
+              "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
+              "EndpointConnectionError"}
+
+
+def _http_status(error):
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return getattr(response, "status_code", None)  # requests' HTTPError
+
+
+def is_transient(error):
+    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
+    denied access or bad data, which no retry mends. Looks along the chain of causes, since
+    smart_open wraps the SDK's errors in its own."""
+    while error is not None:
+        status = _http_status(error)
+        if status is not None:
+            return status >= 500 or status in (408, 429)
+        if {c.__name__ for c in type(error).__mro__} & _TRANSIENT:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _permanent(url, line, error):
+    """The error to raise for a shard that cannot be read, naming it and why."""
+    status = _http_status(error.__cause__) or _http_status(error)
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, FileNotFoundError) or status == 404 or "NoSuchKey" in text:
+        return FileNotFoundError(f"shard {url} does not exist ({text})")
+    if isinstance(error, PermissionError) or status == 403 or "AccessDenied" in text:
+        return PermissionError(f"shard {url}: access denied ({text})")
+    return OSError(f"shard {url}: read failed after line {line}: {text}")
+
+
 class Files(Stage):
-    """JSON Lines shards (.jsonl, .jsonl.gz, .jsonl.zst, ...) read through smart_open.
+    """Shards of JSON Lines (.jsonl/.json, plain or .gz/.zst/.bz2/.xz) or Parquet, on local
+    disk or anywhere smart_open reaches (s3://, gs://, https://; ``transport_params`` go to it,
+    e.g. ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or
+    ``"parquet"`` reads shards whose names don't tell.
 
     The stream is a round-robin over ``n_active_shards`` shard *slots*, one record from each
     in turn, which mixes documents of different shards without a big shuffle buffer. Slot s
     reads its own fixed sequence of shards: positions s, s + S, s + 2S, ... of the shard order
     (epoch after epoch with ``repeat``, forever or for ``epochs`` passes; each epoch reshuffled
-    with ``shuffle_shards``). Fixed
-    sequences are what let ranks split the work without reading what they throw away: with
-    ``rank=r, world_size=W`` (W dividing S) only the slots s = r (mod W) are read, and the
-    result is exactly ``Stride(Files(...), r, W)`` of the one-rank stream while no slot has
-    run out (with ``repeat``, always, unless a slot meets only empty shards).
+    with ``shuffle_shards``). Fixed sequences are what let ranks split the work without
+    reading what they throw away: with ``rank=r, world_size=W`` (W dividing S) only the slots
+    s = r (mod W) are read, and the result is exactly ``Stride(Files(...), r, W)`` of the
+    one-rank stream while no slot has run out (with ``repeat``, always, unless a slot meets
+    only empty shards).
 
-    The state of a slot is the URL of its shard and the byte offset where its next record
-    starts, so resuming is one seek. A compressed stream cannot seek; it is re-read from the
-    start of the current shard only. ``required_fields`` (e.g. ``["text"]``) makes a record
-    without them a bad record, reported with shard and line like malformed JSON.
+    A slot's state says where its next record starts: the byte offset in a JSON Lines shard
+    (resuming is one seek, a range request over the network), or the row group and row of a
+    Parquet shard (earlier row groups are not read). A compressed stream cannot seek; it is
+    re-read from the start of the current shard only. A dropped connection or a 5xx answer is
+    retried ``retries`` times with exponential backoff, reopening the shard where the next
+    record starts, so faults never change the stream; a missing shard or a denied access fails
+    at once. ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
+    reported with shard and line like malformed JSON (a Parquet shard without such a column
+    is refused when opened).
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
-                 n_active_shards=1, skip_bad_records=False, required_fields=(),
-                 transport_params=None, rank=0, world_size=1):
+                 n_active_shards=1, skip_bad_records=False, required_fields=(), format=None,
+                 transport_params=None, retries=8, retry_delay=1.0, rank=0, world_size=1):
         if n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
                              f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
+        if format not in (None, "jsonl", "parquet"):
+            raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet' or None (by suffix)")
+        for url in self.urls:
+            if (format or shard_format(url)) is None:
+                raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
+                                 f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
+                                 f"{_COMPRESSED}): pass format='jsonl' or format='parquet'")
+            if (format or shard_format(url)) == "parquet" and url.endswith(_COMPRESSED):
+                raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
+                                 "cannot be compressed as a whole (it compresses inside)")
+        self.format = format
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
@@ -150,19 +225,20 @@ class Files(Stage):
         self.n_slots = n_active_shards
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
+        self.retries, self.retry_delay = retries, retry_delay
         self._order = (None, None)  # (epoch, shard order) of the last shard opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
-                       "shuffle_shards": shuffle_shards,
-                       "seed": seed, "n_active_shards": n_active_shards, "rank": rank,
-                       "world_size": world_size}
-        # Open slots: "pos" is the shard's place in the endless sequence of epochs, "offset"
-        # the byte where its next record starts, "line" the lines read so far ("records" of
-        # them were records handed out).
+                       "shuffle_shards": shuffle_shards, "seed": seed,
+                       "n_active_shards": n_active_shards, "rank": rank,
+                       "world_size": world_size, "format": format}
+        # Open slots: "pos" is the shard's place in the endless sequence of epochs; where the
+        # next record starts ("offset", or "row_group" and "row"); "line" the lines (rows)
+        # read so far, "records" of them the records handed out.
         self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
         self.slots = [slot for slot in self.slots if slot is not None]
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
-        self._files = [None] * len(self.slots)  # open file objects; never in the state
+        self._files = [None] * len(self.slots)  # readers of the open shards; never in the state
 
     def _slot(self, pos):
         """A new slot reading the shard at position ``pos``, or None past a finite end."""
@@ -174,49 +250,94 @@ class Files(Stage):
             if self.shuffle_shards:
                 random.Random(f"{self.seed}-{epoch}").shuffle(order)
             self._order = (epoch, order)
-        return {"pos": pos, "url": self._order[1][i], "offset": 0, "line": 0, "records": 0}
+        url = self._order[1][i]
+        where = ({"row_group": 0, "row": 0} if self._format(url) == "parquet" else {"offset": 0})
+        return {"pos": pos, "url": url, **where, "line": 0, "records": 0}
+
+    def _format(self, url):
+        return self.format or shard_format(url)
 
     @property
     def epoch(self):
         """The oldest epoch still being read."""
         return min((s["pos"] // len(self.urls) for s in self.slots), default=0)
 
-    def _open(self, slot):
-        url, offset = slot["url"], slot["offset"]
-        try:
-            f = smart_open.open(url, "rb", transport_params=self.transport_params)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"shard {url} does not exist") from e
-        if offset and url.endswith(_COMPRESSED):
-            # Decompression cannot jump; re-read this shard (and only this shard) up to offset.
-            while offset:
-                chunk = f.read(min(offset, 1 << 20))
-                if not chunk:
-                    raise ValueError(f"shard {url} is shorter than the saved offset {offset}")
-                offset -= len(chunk)
-        elif offset:
-            f.seek(offset)
-        return f
+    def _lines(self, slot):
+        """(line, where the next one starts) of a JSON Lines shard, from the slot's offset."""
+        url, offset, line = slot["url"], slot["offset"], slot["line"]
+        with smart_open.open(url, "rb", transport_params=self.transport_params) as f:
+            if offset and url.endswith(_COMPRESSED):
+                # Decompression cannot jump: re-read this shard (and only this one) to offset.
+                remaining = offset
+                while remaining:
+                    if not (chunk := f.read(min(remaining, 1 << 20))):
+                        raise DataError(f"shard {url} is shorter than the saved offset {offset}")
+                    remaining -= len(chunk)
+            elif offset:
+                f.seek(offset)
+            while text := f.readline():
+                offset, line = offset + len(text), line + 1
+                yield text, {"offset": offset, "line": line}
+
+    def _rows(self, slot):
+        """(record, where the next one is) of a Parquet shard, from the slot's row group and
+        row. Only the footer and the row groups from there on are read."""
+        url = slot["url"]
+        with smart_open.open(url, "rb", transport_params=self.transport_params) as f:
+            try:
+                parquet = pyarrow.parquet.ParquetFile(f)
+            except pyarrow.ArrowInvalid as e:
+                raise DataError(f"shard {url}: not a Parquet file: {e}") from e
+            columns = parquet.schema_arrow.names
+            missing = [k for k in self.required_fields if k not in columns]
+            if missing:
+                raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
+            line = slot["line"]
+            for group in range(slot["row_group"], parquet.num_row_groups):
+                table = parquet.read_row_group(group)
+                for start in range(slot["row"] if group == slot["row_group"] else 0,
+                                   table.num_rows, 1024):  # to Python 1024 rows at a time
+                    for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
+                        line += 1
+                        yield record, {"row_group": group, "row": row + 1, "line": line}
+
+    def _fetch(self, i):
+        """The next (line or record, where the next starts) of slot i, None at the end of
+        the shard. Transient faults are retried; the shard is reopened where the slot is."""
+        slot = self.slots[i]
+        for attempt in range(self.retries + 1):
+            try:
+                if self._files[i] is None:
+                    read = self._rows if self._format(slot["url"]) == "parquet" else self._lines
+                    self._files[i] = read(dict(slot))
+                return next(self._files[i], None)
+            except DataError:
+                raise
+            except Exception as e:  # the generator is finished now: reopen it, or give up
+                self._files[i] = None
+                if not is_transient(e):
+                    raise _permanent(slot["url"], slot["line"], e) from e
+                if attempt == self.retries:
+                    raise OSError(f"shard {slot['url']}: still failing after {self.retries} "
+                                  f"retries, at line {slot['line']}: {e}") from e
+                delay = min(self.retry_delay * 2 ** attempt, 60)
+                log.warning("shard %s, line %d: %s: %s; retry %d of %d in %.1f s", slot["url"],
+                            slot["line"], type(e).__name__, e, attempt + 1, self.retries, delay)
+                time.sleep(delay)
 
     def _read(self, i):
         """The next record of slot i, or None at the end of its shard."""
         slot = self.slots[i]
-        if self._files[i] is None:
-            self._files[i] = self._open(slot)
-        while True:
-            try:
-                line = self._files[i].readline()
-            except Exception as e:  # truncated/corrupt compressed data, a failed network read
-                raise OSError(f"shard {slot['url']}: read failed after line {slot['line']}: "
-                              f"{type(e).__name__}: {e}") from e
-            if not line:
-                return None
-            slot["offset"] += len(line)
-            slot["line"] += 1
-            if not line.strip():
+        while (item := self._fetch(i)) is not None:
+            data, where = item
+            slot.update(where)
+            if isinstance(data, dict):  # a Parquet row
+                slot["records"] += 1
+                return data
+            if not data.strip():
                 continue  # a blank line is not a record
             try:
-                record = json.loads(line)
+                record = json.loads(data)
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
                 missing = [k for k in self.required_fields if k not in record]
@@ -228,9 +349,10 @@ class Files(Stage):
                 msg = (f"shard {slot['url']}, line {slot['line']}: bad record: "
                        f"{type(e).__name__}: {e}")
                 if not self.skip_bad_records:
-                    raise ValueError(msg + " (skip_bad_records=True skips such lines)") from e
+                    raise DataError(msg + " (skip_bad_records=True skips such lines)") from e
                 self.skipped += 1
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
+        return None
 
     def _dead(self, empties):
         """Would a slot that just met these empty shards in a row loop forever?"""
@@ -335,6 +457,78 @@ class Sequence(Stage):
         self._load(state)
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._make_order(self.epoch)
+
+
+class HFDataset(Stage):
+    """A Hugging Face ``datasets`` dataset as a source, read once or, with ``repeat``, for
+    ``epochs`` passes (None: forever).
+
+    A map-style ``Dataset`` (``load_from_disk``, ``load_dataset`` without streaming) is read by
+    index, 1024 rows at a time; its state is the index, so resuming is one lookup anywhere.
+    An ``IterableDataset`` (``load_dataset(..., streaming=True)``) keeps its own state
+    (``state_dict``/``load_state_dict``: which shard, which example); to resume, datasets
+    reopens that shard and skips to the example, so the cost grows with the position inside
+    one shard, never with the position in the dataset. Every epoch after the first calls
+    ``set_epoch``, which reshuffles the shard order of a ``.shuffle()``d stream. datasets does
+    not save the contents of its shuffle buffer (``.shuffle(buffer_size=...)``), so such a
+    stream does not resume exactly: shuffle with the Shuffle stage instead.
+    """
+
+    def __init__(self, dataset, *, repeat=False, epochs=None):
+        import datasets  # imported here: only this stage needs the library
+
+        if epochs is not None and epochs < 1:
+            raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
+        self.dataset = dataset
+        self.streaming = isinstance(dataset, datasets.IterableDataset)
+        self.repeat, self.epochs = repeat, epochs if repeat else 1
+        self.config = {"dataset": dataset.info.dataset_name, "split": str(dataset.split),
+                       "columns": dataset.column_names,
+                       "rows": None if self.streaming else len(dataset),
+                       "repeat": repeat, "epochs": self.epochs}
+        self.epoch, self.index = 0, 0  # index: the next row (map-style)
+        self._it = None                # the running iterator of a streaming dataset
+        self._resumed = None           # its loaded state, until the iterator runs
+        self._block = (None, [])       # (first index, rows) read from a map-style dataset
+
+    def _next_row(self):
+        if self.streaming:
+            if self._it is None:
+                self._it = iter(self.dataset)
+            return next(self._it, None)
+        if self.index == len(self.dataset):
+            return None
+        start = self.index - self.index % 1024
+        if self._block[0] != start:
+            columns = self.dataset[start:start + 1024]
+            self._block = (start, [dict(zip(columns, row)) for row in zip(*columns.values())])
+        self.index += 1
+        return self._block[1][self.index - 1 - start]
+
+    def __next__(self):
+        for _ in range(2):  # a second epoch change in one call: a whole epoch was empty
+            row = self._next_row()
+            if row is not None:
+                return row
+            if not self.repeat or (self.epochs is not None and self.epoch + 1 >= self.epochs):
+                raise StopIteration
+            self.epoch, self.index, self._it, self._resumed = self.epoch + 1, 0, None, None
+            if self.streaming:
+                self.dataset.set_epoch(self.epoch)
+        raise DataError(f"dataset {self.config['dataset']} ({self.config['split']}) has no rows")
+
+    def state_dict(self):
+        inner = self.dataset.state_dict() if self._it is not None else self._resumed
+        return self._state(epoch=self.epoch, index=self.index, dataset=inner)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.epoch, self.index, self._it = state["epoch"], state["index"], None
+        self._resumed = state["dataset"]
+        if self.streaming:
+            self.dataset.set_epoch(self.epoch)
+            if self._resumed is not None:
+                self.dataset.load_state_dict(self._resumed)
 
 
 # ----------------------------------------------------------------------------------------------
