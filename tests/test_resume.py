@@ -11,6 +11,8 @@ import os
 import random
 import tempfile
 
+import pyarrow
+import pyarrow.parquet
 import torch
 import zstandard
 from conftest import toy_tokenizer
@@ -39,14 +41,19 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def write_shards(directory, sizes, suffixes, seed):
-    """Shards of random documents ("c a q ..."), some compressed; sizes may be 0."""
+    """Shards of random documents ("c a q ..."), some compressed or Parquet; sizes may be 0."""
     rng = random.Random(seed)
     urls = []
     for i, (size, suffix) in enumerate(zip(sizes, suffixes)):
         lines = [json.dumps({"text": " ".join(rng.choices(LETTERS, k=rng.randrange(0, 12))),
                              "doc": f"{i}-{j}"}) + "\n" for j in range(size)]
         data = "".join(lines).encode()
-        if suffix == ".jsonl.gz":
+        if suffix == ".parquet":  # the same records, in row groups of 1 to 4 rows
+            sink = pyarrow.BufferOutputStream()
+            pyarrow.parquet.write_table(pyarrow.Table.from_pylist(list(map(json.loads, lines))),
+                                        sink, row_group_size=rng.randint(1, 4))
+            data = sink.getvalue().to_pybytes()
+        elif suffix == ".jsonl.gz":
             data = gzip.compress(data, mtime=0)
         elif suffix == ".jsonl.zst":
             data = zstandard.ZstdCompressor().compress(data)
@@ -59,8 +66,8 @@ def write_shards(directory, sizes, suffixes, seed):
 
 pipelines = st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 15), min_size=1, max_size=5),
-    "suffixes": st.lists(st.sampled_from([".jsonl", ".jsonl", ".jsonl.gz", ".jsonl.zst"]),
-                         min_size=5, max_size=5),
+    "suffixes": st.lists(st.sampled_from([".jsonl", ".jsonl", ".jsonl.gz", ".jsonl.zst",
+                                          ".parquet"]), min_size=5, max_size=5),
     "active": st.integers(1, 3),
     "repeat": st.booleans(),
     "shuffle_shards": st.booleans(),

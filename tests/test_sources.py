@@ -1,0 +1,382 @@
+"""Sources beyond local JSONL: S3 and HTTP (real servers on 127.0.0.1), Parquet, HF datasets.
+
+The S3 server is moto's, spoken to through boto3 + smart_open exactly as a real bucket would
+be. The HTTP server is ours, so that it can serve byte ranges and misbehave on cue: answer
+503, or cut a response off in the middle.
+"""
+
+import gzip
+import http.server
+import json
+import random
+import re
+import threading
+
+import boto3
+import datasets
+import pyarrow
+import pyarrow.parquet
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moto.server import ThreadedMotoServer
+from test_resume import run_with_cuts
+
+import data
+from data import DataError, Files, HFDataset
+
+BUCKET = "kit-data"
+
+
+def jsonl_bytes(records):
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def documents(n, seed=0, size=40):
+    rng = random.Random(seed)
+    return [{"text": " ".join(rng.choices("abcdefgh", k=rng.randrange(1, size))), "doc": i}
+            for i in range(n)]
+
+
+def parquet_bytes(records, row_group_size):
+    sink = pyarrow.BufferOutputStream()
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(records), sink,
+                                row_group_size=row_group_size)
+    return sink.getvalue().to_pybytes()
+
+
+# -- S3 (moto) -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    """A boto3 client of a real S3 API server on loopback, with a record of every GetObject:
+    [Content-Range, bytes the client read of the body]."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+    client.create_bucket(Bucket=BUCKET)
+    client.fetched = []
+
+    def count_body_bytes(parsed, **_):
+        if "Body" not in parsed:  # an error answer
+            return
+        entry, read = [parsed.get("ContentRange"), 0], parsed["Body"].read
+        client.fetched.append(entry)
+
+        def counted(*args, **kwargs):
+            chunk = read(*args, **kwargs)
+            entry[1] += len(chunk)
+            return chunk
+        parsed["Body"].read = counted
+
+    client.meta.events.register("after-call.s3.GetObject", count_body_bytes)
+    yield client
+    server.stop()
+
+
+def put(s3, key, body):
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+    return f"s3://{BUCKET}/{key}"
+
+
+def test_s3_stream_cut_resume_equal_local(s3, tmp_path):
+    shards = [documents(30, 1), documents(17, 2), documents(25, 3)]
+    bodies = [jsonl_bytes(shards[0]), zstandard.ZstdCompressor().compress(jsonl_bytes(shards[1])),
+              parquet_bytes(shards[2], row_group_size=7)]
+    names = ["s3-a.jsonl", "s3-b.jsonl.zst", "s3-c.parquet"]
+    local = []
+    for name, body in zip(names, bodies):
+        (tmp_path / name).write_bytes(body)
+        local.append(str(tmp_path / name))
+    remote = [put(s3, name, body) for name, body in zip(names, bodies)]
+    args = dict(n_active_shards=2, repeat=True, epochs=2, shuffle_shards=True, seed=3)
+    expected = list(Files(local, **args))
+    assert len(expected) == 2 * 72
+    make = lambda: Files(remote, transport_params={"client": s3}, **args)  # noqa: E731
+    assert run_with_cuts(make, [], 200) == expected
+    assert run_with_cuts(make, [1, 40, 97, 143], 200) == expected
+
+
+def test_s3_resume_is_a_range_read(s3):
+    """Resuming near the end of a 20 MB shard downloads one read buffer from the offset on."""
+    body = jsonl_bytes([{"text": "x" * 1000, "i": i} for i in range(20_000)])
+    url = put(s3, "big.jsonl", body)
+    for cut in (200, 19_800):  # 1% and 99% of the shard: the same cost
+        files = Files(url, transport_params={"client": s3})
+        for _ in range(cut):
+            next(files)
+        state = json.loads(json.dumps(files.state_dict()))
+        files.close()
+        s3.fetched.clear()
+        resumed = Files(url, transport_params={"client": s3})
+        resumed.load_state_dict(state)
+        assert next(resumed)["i"] == cut
+        resumed.close()
+        offset = state["slots"][0]["offset"]
+        downloaded = sum(n for _, n in s3.fetched)
+        assert downloaded <= 0.01 * len(body), (cut, s3.fetched)
+        assert any(r.startswith(f"bytes {offset}-") for r, n in s3.fetched if n), s3.fetched
+
+
+def test_s3_bad_input_names_the_url(s3):
+    with pytest.raises(FileNotFoundError, match=f"shard s3://{BUCKET}/nothing-here.jsonl does "
+                                                "not exist.*NoSuchKey"):
+        next(Files(f"s3://{BUCKET}/nothing-here.jsonl", transport_params={"client": s3}))
+    cut = gzip.compress(jsonl_bytes(documents(3000)))
+    url = put(s3, "cut.jsonl.gz", cut[: len(cut) // 2])
+    with pytest.raises(OSError, match=rf"shard {url}: read failed after line \d+"):
+        list(Files(url, transport_params={"client": s3}))
+    url = put(s3, "no-text.parquet", parquet_bytes([{"body": "a"}], 10))
+    with pytest.raises(DataError, match=rf"shard {url}: no column\(s\) \['text'\]; it has "
+                                        r"\['body'\]"):
+        next(Files(url, required_fields=["text"], transport_params={"client": s3}))
+
+
+# -- HTTP with faults ------------------------------------------------------------------------------
+
+class FaultyHTTPServer(http.server.ThreadingHTTPServer):
+    """Serves ``files`` ({path: bytes}) with Range support. ``faults`` says what to do to the
+    next requests, one entry each: None (answer well), a status code, or ("drop", n): send the
+    headers and only n bytes of the body, then close the connection."""
+
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FaultyHandler)
+        self.files, self.faults, self.requests = {}, [], []
+        self.lock = threading.Lock()
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.server_address[1]}{path}"
+
+
+class FaultyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802
+        server = self.server
+        with server.lock:
+            fault = server.faults.pop(0) if server.faults else None
+            server.requests.append((self.path, self.headers.get("Range")))
+        body = server.files.get(self.path)
+        if isinstance(fault, int) or body is None:
+            self.send_response(fault if isinstance(fault, int) else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        status, start, end = 200, 0, len(body)
+        if match := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or ""):
+            status, start = 206, int(match[1])
+            end = int(match[2]) + 1 if match[2] else len(body)
+        self.send_response(status)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(body)}")
+        self.end_headers()
+        part = body[start:end] if fault is None else body[start:end][:fault[1]]
+        try:
+            self.wfile.write(part)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client stopped reading (it seeked, or closed the shard)
+        if fault is not None:
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def web():
+    server = FaultyHTTPServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture()
+def web_shards(web):
+    shards = {"/a.jsonl": jsonl_bytes(documents(40, 4, size=300)),
+              "/b.jsonl.gz": gzip.compress(jsonl_bytes(documents(30, 5, size=300))),
+              "/c.jsonl": jsonl_bytes(documents(35, 6, size=300))}
+    web.files.update(shards)
+    web.faults.clear()
+    return [web.url(path) for path in shards]
+
+
+faults = st.lists(st.one_of(st.none(), st.sampled_from([500, 502, 503]),
+                            st.tuples(st.just("drop"), st.integers(0, 12_000))), max_size=12)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schedule=faults, cuts=st.lists(st.integers(0, 105), max_size=2))
+def test_http_faults_and_cuts_leave_the_stream_unchanged(web, web_shards, schedule, cuts):
+    make = lambda: Files(web_shards, n_active_shards=2, retries=30, retry_delay=0)  # noqa: E731
+    web.faults.clear()
+    clean = run_with_cuts(make, [], 200)
+    assert len(clean) == 105
+    web.faults[:] = schedule
+    assert run_with_cuts(make, cuts, 200) == clean
+
+
+def test_http_resume_asks_for_the_offset(web, web_shards):
+    files = Files(web_shards[0])
+    for _ in range(30):
+        next(files)
+    state = files.state_dict()
+    files.close()
+    web.requests.clear()
+    resumed = Files(web_shards[0])
+    resumed.load_state_dict(state)
+    assert next(resumed)["doc"] == 30
+    assert ("/a.jsonl", f"bytes={state['slots'][0]['offset']}-") in web.requests
+
+
+def test_http_retries_then_fails_naming_the_url(web, web_shards, caplog):
+    web.faults[:] = [503] * 10
+    with pytest.raises(OSError, match=f"shard {web_shards[0]}: still failing after 3 retries"):
+        next(Files(web_shards[0], retries=3, retry_delay=0))
+    assert caplog.text.count("retry") == 3
+
+
+@pytest.mark.parametrize("status, error, words", [(404, FileNotFoundError, "does not exist"),
+                                                  (403, PermissionError, "access denied")])
+def test_http_permanent_errors_fail_at_once(web, web_shards, status, error, words):
+    web.faults[:] = [status]
+    web.requests.clear()
+    with pytest.raises(error, match=f"shard {web_shards[2]}: {words}|shard {web_shards[2]} "
+                                    f"{words}"):
+        next(Files(web_shards[2], retries=5, retry_delay=0))
+    assert len(web.requests) == 1  # no retry
+
+
+def test_http_missing_and_truncated(web, web_shards):
+    with pytest.raises(FileNotFoundError, match=f"shard {web.url('/nope.jsonl')} does not exist"):
+        next(Files(web.url("/nope.jsonl"), retry_delay=0))
+    whole = web.files["/b.jsonl.gz"]
+    web.files["/cut.jsonl.gz"] = whole[: len(whole) // 2]
+    web.requests.clear()
+    with pytest.raises(OSError, match=rf"shard {web.url('/cut.jsonl.gz')}: read failed after "
+                                      r"line \d+"):
+        list(Files(web.url("/cut.jsonl.gz"), retry_delay=0))
+    assert len(web.requests) == 1  # corrupt data is not a network fault: no retry
+
+
+# -- Parquet ---------------------------------------------------------------------------------------
+
+def test_parquet_resume_does_not_read_earlier_row_groups(tmp_path, monkeypatch):
+    path = tmp_path / "p.parquet"
+    path.write_bytes(parquet_bytes(documents(1000, size=1000), row_group_size=100))
+    meta = pyarrow.parquet.ParquetFile(path).metadata
+    assert meta.num_row_groups == 10
+
+    def byte_range(group):  # where row group `group` lies in the file
+        chunks = [meta.row_group(group).column(c) for c in range(meta.num_columns)]
+        start = min(c.dictionary_page_offset or c.data_page_offset for c in chunks)
+        return start, start + sum(c.total_compressed_size for c in chunks)
+
+    files = Files(str(path))
+    for _ in range(745):
+        next(files)
+    state = json.loads(json.dumps(files.state_dict()))
+    files.close()
+    assert state["slots"][0]["row_group"] == 7 and state["slots"][0]["row"] == 45
+
+    reads = []  # (start, end) of every read the resumed source makes
+    real_open = data.smart_open.open
+
+    def recording_open(*args, **kwargs):
+        f = real_open(*args, **kwargs)
+        read = f.read
+
+        def recorded(n=-1):
+            start = f.tell()
+            chunk = read(n)
+            reads.append((start, start + len(chunk)))
+            return chunk
+        f.read = recorded
+        return f
+
+    monkeypatch.setattr(data.smart_open, "open", recording_open)
+    resumed = Files(str(path))
+    resumed.load_state_dict(state)
+    assert next(resumed)["doc"] == 745
+    assert reads
+    for group in range(7):
+        lo, hi = byte_range(group)
+        assert not [r for r in reads if r[0] < hi and r[1] > lo], f"read row group {group}"
+
+
+def test_format_by_name_and_override(tmp_path):
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(jsonl_bytes(documents(3))))
+    (tmp_path / "b.jsonl.bz2").write_bytes(__import__("bz2").compress(jsonl_bytes(documents(2))))
+    (tmp_path / "c.data").write_bytes(jsonl_bytes(documents(4)))
+    (tmp_path / "d.bin").write_bytes(parquet_bytes(documents(5), 2))
+    assert len(list(Files([str(tmp_path / "a.json.gz"), str(tmp_path / "b.jsonl.bz2")]))) == 5
+    with pytest.raises(ValueError, match=r"c.data: cannot tell its format.*format='jsonl'"):
+        Files(str(tmp_path / "c.data"))
+    assert len(list(Files(str(tmp_path / "c.data"), format="jsonl"))) == 4
+    assert [r["doc"] for r in Files(str(tmp_path / "d.bin"), format="parquet")] == list(range(5))
+    with pytest.raises(DataError, match=r"d.bin, line 1: bad record"):
+        next(Files(str(tmp_path / "d.bin"), format="jsonl"))
+    with pytest.raises(DataError, match=r"c.data: not a Parquet file"):
+        next(Files(str(tmp_path / "c.data"), format="parquet"))
+
+
+# -- Hugging Face datasets -------------------------------------------------------------------------
+
+hf_sources = st.fixed_dictionaries({
+    "rows": st.integers(0, 30), "shards": st.integers(1, 4), "streaming": st.booleans(),
+    "repeat": st.booleans(), "epochs": st.none() | st.integers(1, 3),
+    "shuffled": st.booleans(), "seed": st.integers(0, 3)})
+
+
+def hf_dataset(p):
+    ds = datasets.Dataset.from_list(documents(p["rows"], p["seed"])) if p["rows"] else \
+        datasets.Dataset.from_dict({"text": [], "doc": []})
+    if p["shuffled"]:
+        ds = ds.shuffle(seed=p["seed"])  # an index mapping: still read by index
+    if p["streaming"]:
+        ds = ds.to_iterable_dataset(num_shards=min(p["shards"], max(p["rows"], 1)))
+        if p["shuffled"]:  # shard order only (buffer of 1): set_epoch reshuffles it
+            ds = ds.shuffle(seed=p["seed"], buffer_size=1)
+    return ds
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=hf_sources, cuts=st.lists(st.integers(0, 70), min_size=1, max_size=3))
+def test_hf_dataset_resumes_exactly(p, cuts):
+    make = lambda: HFDataset(hf_dataset(p), repeat=p["repeat"], epochs=p["epochs"])  # noqa: E731
+    if p["repeat"] and p["epochs"] is None and not p["rows"]:
+        with pytest.raises(DataError, match="has no rows"):
+            next(make())
+        return
+    straight = run_with_cuts(make, [], 70)
+    epochs = (p["epochs"] or 99) if p["repeat"] else 1
+    assert len(straight) == min(70, p["rows"] * epochs)
+    assert sorted(r["doc"] for r in straight[:p["rows"]]) == list(range(len(straight[:p["rows"]])))
+    assert run_with_cuts(make, cuts, 70) == straight
+
+
+def test_hf_streaming_json_files_resume(tmp_path):
+    """The path train_llm takes for a Hub name: load_dataset(..., streaming=True)."""
+    paths = []
+    for i in range(3):
+        paths.append(str(tmp_path / f"part-{i}.jsonl"))
+        (tmp_path / f"part-{i}.jsonl").write_bytes(jsonl_bytes(documents(20, i)))
+    make = lambda: HFDataset(datasets.load_dataset(  # noqa: E731
+        "json", data_files=paths, split="train", streaming=True), repeat=True, epochs=2)
+    straight = run_with_cuts(make, [], 200)
+    assert len(straight) == 120
+    assert run_with_cuts(make, [0, 19, 20, 61, 119], 200) == straight
+    state = json.loads(json.dumps(make().state_dict()))
+    other = HFDataset(datasets.load_dataset("json", data_files=paths[:2], split="train",
+                                            streaming=True), repeat=True, epochs=3)
+    with pytest.raises(ValueError, match="epochs=2"):
+        other.load_state_dict(state)
