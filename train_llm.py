@@ -16,11 +16,14 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
 from pathlib import Path
 
+import datasets
+import datasets.distributed
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -474,17 +477,7 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
     """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item."""
-    # The global document order is a round-robin over the shard slots and does not depend on
-    # the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it reads
-    # documents r, r + W, ... of that order and nothing it would throw away.
-    slots = args.active_shards if train else 4
-    if slots % world_size:
-        sys.exit(f"--active-shards {slots} is not a multiple of the world size {world_size}: "
-                 "every rank reads whole shard slots. Pass a multiple of it (and keep it on "
-                 "resume: it shapes the data order).")
-    pipe = data.Files(urls, repeat=train, epochs=args.epochs, shuffle_shards=train,
-                      seed=args.seed, n_active_shards=slots, rank=rank, world_size=world_size,
-                      required_fields=[] if args.task == "sft" else ["text"])
+    pipe = source(urls, args, rank, world_size, train)
     if args.task == "sft":
         # One instruction-answer pair per sample, its prompt masked out of the labels, whole
         # samples packed into sequences (never split; position ids restart at each).
@@ -498,6 +491,42 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
     if train:
         pipe = data.Shuffle(pipe, args.shuffle_buffer, seed=args.seed)
     return pipe
+
+
+def source(spec, args, rank, world_size, train):
+    """The documents of --dataset (or --val-dataset): shards of JSONL/Parquet (paths, globs,
+    {a,b} patterns, directories, s3:// gs:// https:// URLs) go to data.Files; a directory made
+    by save_to_disk, or a Hugging Face Hub name, to data.HFDataset. NAME:SPLIT picks a split
+    (default: train)."""
+    name, _, split = spec.partition(":") if "://" not in spec else (spec, "", "")
+    saved = os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
+                                        for f in ("dataset_info.json", "dataset_dict.json"))
+    hub = (not saved and not os.path.exists(name) and not data.shard_format(name)
+           and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name))
+    if not (saved or hub):
+        # The global document order is a round-robin over the shard slots and does not depend
+        # on the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it
+        # reads documents r, r + W, ... of that order and nothing it would throw away.
+        slots = args.active_shards if train else 4
+        if slots % world_size:
+            sys.exit(f"--active-shards {slots} is not a multiple of the world size "
+                     f"{world_size}: every rank reads whole shard slots. Pass a multiple of it "
+                     "(and keep it on resume: it shapes the data order).")
+        return data.Files(spec, repeat=train, epochs=args.epochs, shuffle_shards=train,
+                          seed=args.seed, n_active_shards=slots, rank=rank,
+                          world_size=world_size,
+                          required_fields=[] if args.task == "sft" else ["text"])
+    if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
+        dataset = datasets.load_from_disk(name)
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[split or "train"]
+        if train:  # a seeded permutation of the indices: random order, exact resume
+            dataset = dataset.shuffle(seed=args.seed)
+    else:  # streamed from the Hub as it trains; Shuffle (below) shuffles it, exactly
+        dataset = datasets.load_dataset(name, split=split or "train", streaming=True)
+    if world_size > 1:  # whole shards per rank where they divide evenly, else every W-th row
+        dataset = datasets.distributed.split_dataset_by_node(dataset, rank, world_size)
+    return data.HFDataset(dataset, repeat=train, epochs=args.epochs)
 
 
 def find_domains(pattern):

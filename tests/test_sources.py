@@ -17,14 +17,17 @@ import datasets
 import pyarrow
 import pyarrow.parquet
 import pytest
+import torch
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moto.server import ThreadedMotoServer
 from test_resume import run_with_cuts
+from test_train import ROOT, global_step, metrics, start, train, train_args, wait_for
 
 import data
-from data import DataError, Files, HFDataset
+import train_llm
+from data import DataError, Files, HFDataset, Take
 
 BUCKET = "kit-data"
 
@@ -380,3 +383,58 @@ def test_hf_streaming_json_files_resume(tmp_path):
                                             streaming=True), repeat=True, epochs=3)
     with pytest.raises(ValueError, match="epochs=2"):
         other.load_state_dict(state)
+
+
+# -- train_llm.py --dataset ------------------------------------------------------------------------
+
+def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_path):
+    """--dataset DIR:SPLIT of a DatasetDict saved with save_to_disk: a run killed after its
+    first checkpoint and restarted ends with the very weights of one that was not."""
+    records = [json.loads(line) for path in sorted(ROOT.glob("data/sample/*/train-00[01].jsonl"))
+               for line in path.read_text().splitlines()]
+    datasets.DatasetDict({"main": datasets.Dataset.from_list(records)}).save_to_disk(
+        tmp_path / "saved")
+    args = lambda name: train_args(  # noqa: E731
+        tmp_path, tiny_model, name, dataset=f"{tmp_path / 'saved'}:main", max_steps=20)
+    result = train(args("straight"))
+    assert result.returncode == 0, result.stderr
+    proc = start(args("cut"), tmp_path / "log.txt")
+    try:
+        wait_for(lambda: global_step(tmp_path / "cut") >= 10, proc)
+    finally:
+        proc.kill()
+    proc.wait()
+    result = train(args("cut"))
+    assert result.returncode == 0, result.stderr
+    assert "Resuming" in result.stderr and "it is done" not in result.stderr
+    assert ([(r["step"], r["loss"]) for r in metrics(tmp_path / "cut")]
+            == [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight")])
+    final = "checkpoints/step-000020/model.pt"
+    a, b = (torch.load(tmp_path / d / final, weights_only=True) for d in ("cut", "straight"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    loader = json.loads((tmp_path / "cut/checkpoints/step-000020/loader-rank0.json").read_text())
+    assert '"index"' in json.dumps(loader)  # it read the saved dataset, by index
+
+
+def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
+    """--dataset tatsu-lab/alpaca calls load_dataset(name, split, streaming=True). Offline, the
+    Hub is stood in for by local files: what is checked is the wiring, not the download."""
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(documents(5)))
+    calls = []
+
+    def load_dataset(name, split, streaming):
+        calls.append((name, split, streaming))
+        return real(  # the same code path a Hub dataset of JSON files takes
+            "json", data_files=str(tmp_path / "a.jsonl"), split="train", streaming=streaming)
+
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    args = train_llm.get_parser().parse_args(["-e", "x"])
+    for spec in ["tatsu-lab/alpaca", "someone/corpus:test"]:
+        source = train_llm.source(spec, args, 0, 1, train=True)
+        assert isinstance(source, HFDataset) and source.streaming
+        assert [r["doc"] for r in Take(source, 7)] == [0, 1, 2, 3, 4, 0, 1]  # repeats
+    assert calls == [("tatsu-lab/alpaca", "train", True), ("someone/corpus", "test", True)]
+    for spec in ["data/sample", "data/sample/*/train-*.jsonl", "s3://bucket/x-{0..1}.jsonl",
+                 str(tmp_path / "a.jsonl")]:
+        assert type(train_llm.source(spec, args, 0, 1, train=False)).__name__ == "Files"
