@@ -345,8 +345,8 @@ def hf_dataset(p):
         datasets.Dataset.from_dict({"text": [], "doc": []})
     if p["shuffled"]:
         ds = ds.shuffle(seed=p["seed"])  # an index mapping: still read by index
-    if p["streaming"]:
-        ds = ds.to_iterable_dataset(num_shards=min(p["shards"], max(p["rows"], 1)))
+    if p["streaming"] and p["rows"]:  # (datasets cannot make an empty one this way)
+        ds = ds.to_iterable_dataset(num_shards=min(p["shards"], p["rows"]))
         if p["shuffled"]:  # shard order only (buffer of 1): set_epoch reshuffles it
             ds = ds.shuffle(seed=p["seed"], buffer_size=1)
     return ds
