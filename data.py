@@ -141,9 +141,15 @@ _TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolErro
               "EndpointConnectionError"}
 
 
+_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
+                       "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
+
+
 def _http_status(error):
     response = getattr(error, "response", None)
     if isinstance(response, dict):  # botocore's ClientError
+        if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+            return 503
         return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return getattr(response, "status_code", None)  # requests' HTTPError
 
@@ -156,7 +162,10 @@ def is_transient(error):
         status = _http_status(error)
         if status is not None:
             return status >= 500 or status in (408, 429)
-        if {c.__name__ for c in type(error).__mro__} & _TRANSIENT:
+        names = {c.__name__ for c in type(error).__mro__}
+        if "SSLError" in names:  # a certificate problem: no retry mends it
+            return False
+        if names & _TRANSIENT:
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -299,7 +308,8 @@ class Files(Stage):
                                    table.num_rows, 1024):  # to Python 1024 rows at a time
                     for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
                         line += 1
-                        yield record, {"row_group": group, "row": row + 1, "line": line}
+                        where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
+                        yield record, {"row_group": where[0], "row": where[1], "line": line}
 
     def _fetch(self, i):
         """The next (line or record, where the next starts) of slot i, None at the end of
@@ -312,6 +322,7 @@ class Files(Stage):
                     self._files[i] = read(dict(slot))
                 return next(self._files[i], None)
             except DataError:
+                self._files[i] = None
                 raise
             except Exception as e:  # the generator is finished now: reopen it, or give up
                 self._files[i] = None
@@ -331,22 +342,21 @@ class Files(Stage):
         while (item := self._fetch(i)) is not None:
             data, where = item
             slot.update(where)
-            if isinstance(data, dict):  # a Parquet row
-                slot["records"] += 1
-                return data
-            if not data.strip():
+            if not isinstance(data, dict) and not data.strip():
                 continue  # a blank line is not a record
             try:
-                record = json.loads(data)
+                record = data if isinstance(data, dict) else json.loads(data)  # Parquet: a row
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                missing = [k for k in self.required_fields if k not in record]
+                missing = [k for k in self.required_fields if record.get(k) is None]
                 if missing:
-                    raise ValueError(f"missing field(s) {missing}; it has {sorted(record)}")
+                    raise ValueError(f"missing or null field(s) {missing}; it has "
+                                     f"{sorted(k for k in record if record[k] is not None)}")
                 slot["records"] += 1
                 return record
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, line {slot['line']}: bad record: "
+                kind = "row" if isinstance(data, dict) else "line"
+                msg = (f"shard {slot['url']}, {kind} {slot['line']}: bad record: "
                        f"{type(e).__name__}: {e}")
                 if not self.skip_bad_records:
                     raise DataError(msg + " (skip_bad_records=True skips such lines)") from e
@@ -464,32 +474,40 @@ class HFDataset(Stage):
     ``epochs`` passes (None: forever).
 
     A map-style ``Dataset`` (``load_from_disk``, ``load_dataset`` without streaming) is read by
-    index, 1024 rows at a time; its state is the index, so resuming is one lookup anywhere.
-    An ``IterableDataset`` (``load_dataset(..., streaming=True)``) keeps its own state
-    (``state_dict``/``load_state_dict``: which shard, which example); to resume, datasets
-    reopens that shard and skips to the example, so the cost grows with the position inside
-    one shard, never with the position in the dataset. Every epoch after the first calls
-    ``set_epoch``, which reshuffles the shard order of a ``.shuffle()``d stream. datasets does
-    not save the contents of its shuffle buffer (``.shuffle(buffer_size=...)``), so such a
-    stream does not resume exactly: shuffle with the Shuffle stage instead.
+    index, 1024 rows at a time, in a seeded permutation per epoch with ``shuffle``; its state
+    is the epoch and index, so resuming is one lookup anywhere. An ``IterableDataset``
+    (``load_dataset(..., streaming=True)``) keeps its own state (``state_dict`` /
+    ``load_state_dict``: which shard, which example); to resume, datasets reopens that shard
+    and reads up to the example, so the cost grows with the position inside one shard, not in
+    the dataset. Every epoch after the first calls ``set_epoch``, which reshuffles the shard
+    order of a ``.shuffle()``d stream. datasets does not save the contents of its shuffle
+    buffer (``.shuffle(buffer_size=...)``), so such a stream does not resume exactly: shuffle
+    with the Shuffle stage instead. ``required_fields`` as for Files; the error names the row.
     """
 
-    def __init__(self, dataset, *, repeat=False, epochs=None):
+    def __init__(self, dataset, *, repeat=False, epochs=None, shuffle=False, seed=0,
+                 required_fields=()):
         import datasets  # imported here: only this stage needs the library
 
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
         self.dataset = dataset
         self.streaming = isinstance(dataset, datasets.IterableDataset)
+        if shuffle and self.streaming:
+            raise ValueError("shuffle=True needs a map-style Dataset; shuffle a stream with "
+                             "the Shuffle stage")
         self.repeat, self.epochs = repeat, epochs if repeat else 1
+        self.shuffle, self.seed, self.required_fields = shuffle, seed, tuple(required_fields)
         self.config = {"dataset": dataset.info.dataset_name, "split": str(dataset.split),
-                       "columns": dataset.column_names,
-                       "rows": None if self.streaming else len(dataset),
-                       "repeat": repeat, "epochs": self.epochs}
-        self.epoch, self.index = 0, 0  # index: the next row (map-style)
+                       "columns": dataset.column_names, "repeat": repeat, "epochs": self.epochs,
+                       "shuffle": shuffle, "seed": seed,
+                       **({"n_shards": dataset.n_shards} if self.streaming
+                          else {"rows": len(dataset)})}
+        self.epoch, self.index = 0, 0  # index: rows handed out in this epoch
         self._it = None                # the running iterator of a streaming dataset
-        self._resumed = None           # its loaded state, until the iterator runs
+        self._resumed = None           # its state to start from, until the iterator runs
         self._block = (None, [])       # (first index, rows) read from a map-style dataset
+        self._order = None             # this epoch's permutation of a map-style dataset
 
     def _next_row(self):
         if self.streaming:
@@ -500,7 +518,12 @@ class HFDataset(Stage):
             return None
         start = self.index - self.index % 1024
         if self._block[0] != start:
-            columns = self.dataset[start:start + 1024]
+            if self.shuffle and self._order is None:  # derived from (seed, epoch): not saved
+                rng = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._order = torch.randperm(len(self.dataset), generator=rng)
+            rows = (self._order[start:start + 1024].tolist() if self.shuffle
+                    else range(start, min(start + 1024, len(self.dataset))))
+            columns = self.dataset[rows]
             self._block = (start, [dict(zip(columns, row)) for row in zip(*columns.values())])
         self.index += 1
         return self._block[1][self.index - 1 - start]
@@ -509,10 +532,17 @@ class HFDataset(Stage):
         for _ in range(2):  # a second epoch change in one call: a whole epoch was empty
             row = self._next_row()
             if row is not None:
+                self.index += self.streaming  # (map-style counts in _next_row)
+                missing = [k for k in self.required_fields if row.get(k) is None]
+                if missing:
+                    raise DataError(f"dataset {self.config['dataset']} ({self.config['split']})"
+                                    f", epoch {self.epoch}, row {self.index}: missing or null "
+                                    f"field(s) {missing}; it has {sorted(row)}")
                 return row
             if not self.repeat or (self.epochs is not None and self.epoch + 1 >= self.epochs):
                 raise StopIteration
             self.epoch, self.index, self._it, self._resumed = self.epoch + 1, 0, None, None
+            self._block, self._order = (None, []), None
             if self.streaming:
                 self.dataset.set_epoch(self.epoch)
         raise DataError(f"dataset {self.config['dataset']} ({self.config['split']}) has no rows")
@@ -523,12 +553,20 @@ class HFDataset(Stage):
 
     def load_state_dict(self, state):
         self._load(state)
-        self.epoch, self.index, self._it = state["epoch"], state["index"], None
-        self._resumed = state["dataset"]
+        self.close()
+        self.epoch, self.index, self._resumed = state["epoch"], state["index"], state["dataset"]
+        self._block, self._order = (None, []), None
         if self.streaming:
             self.dataset.set_epoch(self.epoch)
             if self._resumed is not None:
                 self.dataset.load_state_dict(self._resumed)
+
+    def close(self):
+        if self._it is not None:  # a later next() goes on from here, in a new iterator
+            self._resumed = self.dataset.state_dict()
+            self._it.close()
+            self._it = None
+            self.dataset.load_state_dict(self._resumed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1236,7 +1274,8 @@ def reshard(pipeline, states):
     files = pipeline
     while not isinstance(files, Files):
         if files.src is None:
-            raise ValueError(f"reshard: no Files source under {type(pipeline).__name__}")
+            raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
+                             f"number of ranks; this one reads {type(files).__name__}")
         files = files.src
     rank, world = files.config["rank"], files.config["world_size"]
     mine = [i for i in range(len(states)) if i % world == rank]  # old ranks whose buffers we get

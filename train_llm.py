@@ -11,12 +11,12 @@ utils.py holds the helpers that measure things and move checkpoint bytes.
 import argparse
 import datetime
 import functools
+import glob
 import json
 import logging
 import math
 import os
 import random
-import re
 import signal
 import sys
 import threading
@@ -258,7 +258,10 @@ def main():
         if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
             train_loader.load_state_dict(loader_state(rank))
         else:  # another number of ranks: see data.reshard for the guarantee
-            report = data.reshard(train_loader, [loader_state(r) for r in range(saved_world)])
+            try:
+                report = data.reshard(train_loader, [loader_state(r) for r in range(saved_world)])
+            except ValueError as e:
+                sys.exit(f"Cannot resume on {world_size} ranks what {saved_world} saved: {e}")
             LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
                         f"skipped or repeated; {report}")
         rng_file = ckpt_dir / f"rng-rank{rank}.pt"
@@ -497,13 +500,16 @@ def source(spec, args, rank, world_size, train):
     """The documents of --dataset (or --val-dataset): shards of JSONL/Parquet (paths, globs,
     {a,b} patterns, directories, s3:// gs:// https:// URLs) go to data.Files; a directory made
     by save_to_disk, or a Hugging Face Hub name, to data.HFDataset. NAME:SPLIT picks a split
-    (default: train)."""
-    name, _, split = spec.partition(":") if "://" not in spec else (spec, "", "")
-    saved = os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
-                                        for f in ("dataset_info.json", "dataset_dict.json"))
-    hub = (not saved and not os.path.exists(name) and not data.shard_format(name)
-           and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name))
-    if not (saved or hub):
+    (default: train for --dataset, validation for --val-dataset)."""
+    required = [] if args.task == "sft" else ["text"]
+    local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
+    name, split = spec, ""
+    if not local and "://" not in spec and ":" in spec:
+        name, _, split = spec.rpartition(":")
+    split = split or ("train" if train else "validation")
+    saved = os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
+        os.path.join(name, "dataset_dict.json"))
+    if not saved and (local or "://" in spec or data.shard_format(name)):
         # The global document order is a round-robin over the shard slots and does not depend
         # on the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it
         # reads documents r, r + W, ... of that order and nothing it would throw away.
@@ -514,19 +520,21 @@ def source(spec, args, rank, world_size, train):
                      "(and keep it on resume: it shapes the data order).")
         return data.Files(spec, repeat=train, epochs=args.epochs, shuffle_shards=train,
                           seed=args.seed, n_active_shards=slots, rank=rank,
-                          world_size=world_size,
-                          required_fields=[] if args.task == "sft" else ["text"])
-    if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
-        dataset = datasets.load_from_disk(name)
-        if isinstance(dataset, datasets.DatasetDict):
-            dataset = dataset[split or "train"]
-        if train:  # a seeded permutation of the indices: random order, exact resume
-            dataset = dataset.shuffle(seed=args.seed)
-    else:  # streamed from the Hub as it trains; Shuffle (below) shuffles it, exactly
-        dataset = datasets.load_dataset(name, split=split or "train", streaming=True)
+                          world_size=world_size, required_fields=required)
+    try:
+        if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
+            dataset = datasets.load_from_disk(name)
+            if isinstance(dataset, datasets.DatasetDict):
+                dataset = dataset[split]
+        else:  # streamed from the Hub as it trains; Shuffle (below) shuffles it, exactly
+            dataset = datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as e:  # a typo'd local path lands here too: say both readings
+        sys.exit(f"{spec!r} is no local file, pattern or URL, and reading it as a Hugging "
+                 f"Face dataset (split {split!r}) failed: {type(e).__name__}: {e}")
     if world_size > 1:  # whole shards per rank where they divide evenly, else every W-th row
         dataset = datasets.distributed.split_dataset_by_node(dataset, rank, world_size)
-    return data.HFDataset(dataset, repeat=train, epochs=args.epochs)
+    return data.HFDataset(dataset, repeat=train, epochs=args.epochs, required_fields=required,
+                          shuffle=train and saved, seed=args.seed)
 
 
 def find_domains(pattern):

@@ -130,9 +130,9 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for ext, body in bodies.items():
                 client.put_object(Bucket="bench", Key=f"shard.{ext}", Body=body)
-                url, params = f"s3://bench/shard.{ext}", {"client": client}
+                url = f"s3://bench/shard.{ext}"
                 results.append((f"`Files` over S3, .{ext}", len(body), measure(
-                    ext, lambda u=url: data.Files(u, transport_params=params),
+                    ext, lambda u=url: data.Files(u, transport_params={"client": client}),
                     lambda: client.fetched[0], len(docs), args.repeats)))
             local = os.path.join(tmp, "shard.jsonl")
             Path(local).write_bytes(jsonl)

@@ -268,7 +268,8 @@ def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
 @pytest.mark.parametrize("line, problem", [
     (b'{"text": "unterminated', "JSONDecodeError"),
     (b'["a", "list"]', "expected a JSON object, got list"),
-    (b'{"content": "no text"}', "missing field(s) ['text']"),
+    (b'{"content": "no text"}', "missing or null field(s) ['text']; it has ['content']"),
+    (b'{"text": null, "id": 3}', "missing or null field(s) ['text']; it has ['id']"),
     (b'{"text": "\xff\xfe bad utf-8"}', "UnicodeDecodeError"),
 ])
 def test_bad_record_names_shard_and_line(tmp_path, caplog, line, problem):

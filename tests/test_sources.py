@@ -10,6 +10,7 @@ import http.server
 import json
 import random
 import re
+import sys
 import threading
 
 import boto3
@@ -155,6 +156,10 @@ class FaultyHTTPServer(http.server.ThreadingHTTPServer):
     def url(self, path):
         return f"http://127.0.0.1:{self.server_address[1]}{path}"
 
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client hanging up is fine
+            super().handle_error(request, client_address)
+
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -285,7 +290,11 @@ def test_parquet_resume_does_not_read_earlier_row_groups(tmp_path, monkeypatch):
         return start, start + sum(c.total_compressed_size for c in chunks)
 
     files = Files(str(path))
-    for _ in range(745):
+    for _ in range(700):
+        next(files)
+    assert files.state_dict()["slots"][0]["row_group"] == 7  # a finished group is left behind
+    assert files.state_dict()["slots"][0]["row"] == 0
+    for _ in range(45):
         next(files)
     state = json.loads(json.dumps(files.state_dict()))
     files.close()
@@ -332,12 +341,48 @@ def test_format_by_name_and_override(tmp_path):
         next(Files(str(tmp_path / "c.data"), format="parquet"))
 
 
+def test_parquet_null_text_names_shard_and_row(tmp_path, caplog):
+    path = tmp_path / "nulls.parquet"
+    path.write_bytes(parquet_bytes([{"text": "a"}, {"text": None}, {"text": "c"}], 2))
+    with pytest.raises(DataError, match=rf"shard {path}, row 2: bad record.*null field\(s\) "
+                                        r"\['text'\]"):
+        list(Files(str(path), required_fields=["text"]))
+    files = Files(str(path), required_fields=["text"], skip_bad_records=True)
+    assert [r["text"] for r in files] == ["a", "c"] and files.skipped == 1
+
+
+@pytest.mark.parametrize("error, transient", [
+    (ConnectionResetError(), True), (TimeoutError(), True), (FileNotFoundError(), False),
+    (ValueError("bad data"), False), (EOFError(), False)])
+def test_is_transient(error, transient):
+    assert data.is_transient(error) is transient
+    wrapped = OSError("smart_open's words")
+    wrapped.__cause__ = error
+    assert data.is_transient(wrapped) is transient
+
+
+def test_is_transient_s3_and_http_answers():
+    from botocore.exceptions import ClientError
+    from requests.exceptions import HTTPError, SSLError
+
+    def s3_error(code, status):
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {
+            "HTTPStatusCode": status}}, "GetObject")
+    assert data.is_transient(s3_error("RequestTimeout", 400))  # S3's "try again" in a 400
+    assert data.is_transient(s3_error("SlowDown", 503))
+    assert not data.is_transient(s3_error("NoSuchKey", 404))
+    assert not data.is_transient(s3_error("AccessDenied", 403))
+    response = type("Response", (), {"status_code": 429})()
+    assert data.is_transient(HTTPError(response=response))
+    assert not data.is_transient(SSLError("certificate verify failed"))
+
+
 # -- Hugging Face datasets -------------------------------------------------------------------------
 
 hf_sources = st.fixed_dictionaries({
     "rows": st.integers(0, 30), "shards": st.integers(1, 4), "streaming": st.booleans(),
     "repeat": st.booleans(), "epochs": st.none() | st.integers(1, 3),
-    "shuffled": st.booleans(), "seed": st.integers(0, 3)})
+    "shuffled": st.booleans(), "kit_shuffle": st.booleans(), "seed": st.integers(0, 3)})
 
 
 def hf_dataset(p):
@@ -355,7 +400,12 @@ def hf_dataset(p):
 @settings(max_examples=60, deadline=None)
 @given(p=hf_sources, cuts=st.lists(st.integers(0, 70), min_size=1, max_size=3))
 def test_hf_dataset_resumes_exactly(p, cuts):
-    make = lambda: HFDataset(hf_dataset(p), repeat=p["repeat"], epochs=p["epochs"])  # noqa: E731
+    def make():
+        ds = hf_dataset(p)
+        shuffle = p["kit_shuffle"] and not isinstance(ds, datasets.IterableDataset)
+        return HFDataset(ds, repeat=p["repeat"], epochs=p["epochs"], shuffle=shuffle,
+                         seed=p["seed"])
+
     if p["repeat"] and p["epochs"] is None and not p["rows"]:
         with pytest.raises(DataError, match="has no rows"):
             next(make())
@@ -383,6 +433,24 @@ def test_hf_streaming_json_files_resume(tmp_path):
                                             streaming=True), repeat=True, epochs=3)
     with pytest.raises(ValueError, match="epochs=2"):
         other.load_state_dict(state)
+
+
+def test_hf_dataset_shuffle_is_a_new_permutation_every_epoch():
+    ds = datasets.Dataset.from_list(documents(50))
+    docs = [r["doc"] for r in HFDataset(ds, repeat=True, epochs=3, shuffle=True, seed=1)]
+    epochs = [docs[:50], docs[50:100], docs[100:]]
+    assert all(sorted(e) == list(range(50)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3
+    assert [r["doc"] for r in HFDataset(ds, shuffle=True, seed=1)] == epochs[0]
+    assert [r["doc"] for r in HFDataset(ds, shuffle=True, seed=2)] != epochs[0]
+
+
+def test_hf_dataset_required_fields_name_the_row():
+    ds = datasets.Dataset.from_list([{"text": "a"}, {"text": None}])
+    source = HFDataset(ds, required_fields=["text"])
+    assert next(source)["text"] == "a"
+    with pytest.raises(DataError, match=r"epoch 0, row 2: missing or null field\(s\) \['text'\]"):
+        next(source)
 
 
 # -- train_llm.py --dataset ------------------------------------------------------------------------
@@ -434,7 +502,18 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
         source = train_llm.source(spec, args, 0, 1, train=True)
         assert isinstance(source, HFDataset) and source.streaming
         assert [r["doc"] for r in Take(source, 7)] == [0, 1, 2, 3, 4, 0, 1]  # repeats
-    assert calls == [("tatsu-lab/alpaca", "train", True), ("someone/corpus", "test", True)]
+    train_llm.source("tatsu-lab/alpaca", args, 0, 1, train=False)  # --val-dataset
+    assert calls == [("tatsu-lab/alpaca", "train", True), ("someone/corpus", "test", True),
+                     ("tatsu-lab/alpaca", "validation", True)]
+    (tmp_path / "odd:name.jsonl").write_bytes(jsonl_bytes(documents(2)))
     for spec in ["data/sample", "data/sample/*/train-*.jsonl", "s3://bucket/x-{0..1}.jsonl",
-                 str(tmp_path / "a.jsonl")]:
+                 str(tmp_path / "a.jsonl"), str(tmp_path / "odd:name.jsonl"),
+                 "data/missing-{0..1}.jsonl"]:
         assert type(train_llm.source(spec, args, 0, 1, train=False)).__name__ == "Files"
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no internet here")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit, match="'data/trian' is no local file, pattern or URL, and "
+                                         "reading it as a Hugging Face dataset"):
+        train_llm.source("data/trian", args, 0, 1, train=True)
