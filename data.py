@@ -271,10 +271,16 @@ class Files(Stage):
         """The oldest epoch still being read."""
         return min((s["pos"] // len(self.urls) for s in self.slots), default=0)
 
+    def _open(self, url):
+        params = self.transport_params or {}
+        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
+            params = {"defer_seek": True, **params}
+        return smart_open.open(url, "rb", transport_params=params)
+
     def _lines(self, slot):
         """(line, where the next one starts) of a JSON Lines shard, from the slot's offset."""
         url, offset, line = slot["url"], slot["offset"], slot["line"]
-        with smart_open.open(url, "rb", transport_params=self.transport_params) as f:
+        with self._open(url) as f:
             if offset and url.endswith(_COMPRESSED):
                 # Decompression cannot jump: re-read this shard (and only this one) to offset.
                 remaining = offset
@@ -292,7 +298,7 @@ class Files(Stage):
         """(record, where the next one is) of a Parquet shard, from the slot's row group and
         row. Only the footer and the row groups from there on are read."""
         url = slot["url"]
-        with smart_open.open(url, "rb", transport_params=self.transport_params) as f:
+        with self._open(url) as f:
             try:
                 parquet = pyarrow.parquet.ParquetFile(f)
             except pyarrow.ArrowInvalid as e:
