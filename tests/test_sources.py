@@ -211,7 +211,8 @@ def web():
 def web_shards(web):
     shards = {"/a.jsonl": jsonl_bytes(documents(40, 4, size=300)),
               "/b.jsonl.gz": gzip.compress(jsonl_bytes(documents(30, 5, size=300))),
-              "/c.jsonl": jsonl_bytes(documents(35, 6, size=300))}
+              "/c.jsonl": jsonl_bytes(documents(35, 6, size=300)),
+              "/d.parquet": parquet_bytes(documents(20, 7, size=300), row_group_size=6)}
     web.files.update(shards)
     web.faults.clear()
     return [web.url(path) for path in shards]
@@ -223,12 +224,12 @@ faults = st.lists(st.one_of(st.none(), st.sampled_from([500, 502, 503]),
 
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schedule=faults, cuts=st.lists(st.integers(0, 105), max_size=2))
+@given(schedule=faults, cuts=st.lists(st.integers(0, 125), max_size=2))
 def test_http_faults_and_cuts_leave_the_stream_unchanged(web, web_shards, schedule, cuts):
     make = lambda: Files(web_shards, n_active_shards=2, retries=30, retry_delay=0)  # noqa: E731
     web.faults.clear()
     clean = run_with_cuts(make, [], 200)
-    assert len(clean) == 105
+    assert len(clean) == 125
     web.faults[:] = schedule
     assert run_with_cuts(make, cuts, 200) == clean
 
