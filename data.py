@@ -37,6 +37,7 @@ import torch
 
 log = logging.getLogger("data")
 
+
 def rng_state(rng):
     """A random.Random's state as JSON-able lists."""
     version, internal, gauss = rng.getstate()
@@ -139,47 +140,53 @@ _TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolErro
               "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
               "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
               "EndpointConnectionError"}
-
-
 _TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
                        "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
 
 
+def _causes(error):
+    """The error and what caused it, in turn: smart_open wraps the SDKs' errors in its own."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def _http_status(error):
-    response = getattr(error, "response", None)
-    if isinstance(response, dict):  # botocore's ClientError
-        if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
-            return 503
-        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return getattr(response, "status_code", None)  # requests' HTTPError
+    """The HTTP status that an error (or one of its causes) reports, else None."""
+    for e in _causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+                return 503
+            return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if getattr(response, "status_code", None) is not None:  # requests' HTTPError
+            return response.status_code
+    return None
 
 
 def is_transient(error):
     """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
-    denied access or bad data, which no retry mends. Looks along the chain of causes, since
-    smart_open wraps the SDK's errors in its own."""
-    while error is not None:
-        status = _http_status(error)
-        if status is not None:
-            return status >= 500 or status in (408, 429)
-        names = {c.__name__ for c in type(error).__mro__}
-        if "SSLError" in names:  # a certificate problem: no retry mends it
-            return False
-        if names & _TRANSIENT:
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    denied access, a certificate problem or bad data, which no retry mends."""
+    status = _http_status(error)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    names = {c.__name__ for e in _causes(error) for c in type(e).__mro__}
+    return "SSLError" not in names and bool(names & _TRANSIENT)
 
 
 def _permanent(url, line, error):
     """The error to raise for a shard that cannot be read, naming it and why."""
-    status = _http_status(error.__cause__) or _http_status(error)
-    text = f"{type(error).__name__}: {error}"
-    if isinstance(error, FileNotFoundError) or status == 404 or "NoSuchKey" in text:
+    status, text = _http_status(error), f"{type(error).__name__}: {error}"
+    if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
         return FileNotFoundError(f"shard {url} does not exist ({text})")
-    if isinstance(error, PermissionError) or status == 403 or "AccessDenied" in text:
+    if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
         return PermissionError(f"shard {url}: access denied ({text})")
     return OSError(f"shard {url}: read failed after line {line}: {text}")
+
+
+def _missing(record, fields):
+    """The required fields a record lacks: absent, or null (JSON null, a Parquet null)."""
+    return [k for k in fields if record.get(k) is None]
 
 
 class Files(Stage):
@@ -218,15 +225,15 @@ class Files(Stage):
         self.urls = expand_urls(urls)
         if format not in (None, "jsonl", "parquet"):
             raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet' or None (by suffix)")
+        self.format = format
         for url in self.urls:
-            if (format or shard_format(url)) is None:
+            if self._format(url) is None:
                 raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
                                  f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
                                  f"{_COMPRESSED}): pass format='jsonl' or format='parquet'")
-            if (format or shard_format(url)) == "parquet" and url.endswith(_COMPRESSED):
+            if self._format(url) == "parquet" and url.endswith(_COMPRESSED):
                 raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
                                  "cannot be compressed as a whole (it compresses inside)")
-        self.format = format
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
@@ -354,8 +361,7 @@ class Files(Stage):
                 record = data if isinstance(data, dict) else json.loads(data)  # Parquet: a row
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                missing = [k for k in self.required_fields if record.get(k) is None]
-                if missing:
+                if missing := _missing(record, self.required_fields):
                     raise ValueError(f"missing or null field(s) {missing}; it has "
                                      f"{sorted(k for k in record if record[k] is not None)}")
                 slot["records"] += 1
@@ -525,22 +531,22 @@ class HFDataset(Stage):
         start = self.index - self.index % 1024
         if self._block[0] != start:
             if self.shuffle and self._order is None:  # derived from (seed, epoch): not saved
-                rng = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(len(self.dataset), generator=rng)
+                seed = random.Random(f"{self.seed}-{self.epoch}").getrandbits(63)
+                # A tensor, not a list: 8 bytes a row, for datasets of many millions of rows.
+                self._order = torch.randperm(len(self.dataset),
+                                             generator=torch.Generator().manual_seed(seed))
             rows = (self._order[start:start + 1024].tolist() if self.shuffle
                     else range(start, min(start + 1024, len(self.dataset))))
             columns = self.dataset[rows]
             self._block = (start, [dict(zip(columns, row)) for row in zip(*columns.values())])
-        self.index += 1
-        return self._block[1][self.index - 1 - start]
+        return self._block[1][self.index - start]
 
     def __next__(self):
         for _ in range(2):  # a second epoch change in one call: a whole epoch was empty
             row = self._next_row()
             if row is not None:
-                self.index += self.streaming  # (map-style counts in _next_row)
-                missing = [k for k in self.required_fields if row.get(k) is None]
-                if missing:
+                self.index += 1
+                if missing := _missing(row, self.required_fields):
                     raise DataError(f"dataset {self.config['dataset']} ({self.config['split']})"
                                     f", epoch {self.epoch}, row {self.index}: missing or null "
                                     f"field(s) {missing}; it has {sorted(row)}")

@@ -507,8 +507,8 @@ def source(spec, args, rank, world_size, train):
     if not local and "://" not in spec and ":" in spec:
         name, _, split = spec.rpartition(":")
     split = split or ("train" if train else "validation")
-    saved = os.path.exists(os.path.join(name, "dataset_info.json")) or os.path.exists(
-        os.path.join(name, "dataset_dict.json"))
+    saved = any(os.path.exists(os.path.join(name, f))  # what save_to_disk writes
+                for f in ("dataset_info.json", "dataset_dict.json"))
     if not saved and (local or "://" in spec or data.shard_format(name)):
         # The global document order is a round-robin over the shard slots and does not depend
         # on the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it
@@ -526,7 +526,7 @@ def source(spec, args, rank, world_size, train):
             dataset = datasets.load_from_disk(name)
             if isinstance(dataset, datasets.DatasetDict):
                 dataset = dataset[split]
-        else:  # streamed from the Hub as it trains; Shuffle (below) shuffles it, exactly
+        else:  # streamed from the Hub as it trains; sequences()' Shuffle shuffles it
             dataset = datasets.load_dataset(name, split=split, streaming=True)
     except Exception as e:  # a typo'd local path lands here too: say both readings
         sys.exit(f"{spec!r} is no local file, pattern or URL, and reading it as a Hugging "
