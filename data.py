@@ -542,22 +542,23 @@ class HFDataset(Stage):
         return self._block[1][self.index - start]
 
     def __next__(self):
-        for _ in range(2):  # a second epoch change in one call: a whole epoch was empty
-            row = self._next_row()
-            if row is not None:
-                self.index += 1
-                if missing := _missing(row, self.required_fields):
-                    raise DataError(f"dataset {self.config['dataset']} ({self.config['split']})"
-                                    f", epoch {self.epoch}, row {self.index}: missing or null "
-                                    f"field(s) {missing}; it has {sorted(row)}")
-                return row
+        began_epoch = False  # did this call begin an epoch (and find it empty)?
+        while (row := self._next_row()) is None:
             if not self.repeat or (self.epochs is not None and self.epoch + 1 >= self.epochs):
                 raise StopIteration
+            if began_epoch and self.epochs is None:  # endless and empty: it would loop forever
+                raise DataError(f"dataset {self.config['dataset']} ({self.config['split']}) "
+                                "has no rows")
             self.epoch, self.index, self._it, self._resumed = self.epoch + 1, 0, None, None
-            self._block, self._order = (None, []), None
+            self._block, self._order, began_epoch = (None, []), None, True
             if self.streaming:
                 self.dataset.set_epoch(self.epoch)
-        raise DataError(f"dataset {self.config['dataset']} ({self.config['split']}) has no rows")
+        self.index += 1
+        if missing := _missing(row, self.required_fields):
+            raise DataError(f"dataset {self.config['dataset']} ({self.config['split']}), epoch "
+                            f"{self.epoch}, row {self.index}: missing or null field(s) "
+                            f"{missing}; it has {sorted(row)}")
+        return row
 
     def state_dict(self):
         inner = self.dataset.state_dict() if self._it is not None else self._resumed

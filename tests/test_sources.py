@@ -20,7 +20,7 @@ import pyarrow.parquet
 import pytest
 import torch
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from moto.server import ThreadedMotoServer
 from test_resume import run_with_cuts
@@ -400,6 +400,8 @@ def hf_dataset(p):
 
 @settings(max_examples=60, deadline=None)
 @given(p=hf_sources, cuts=st.lists(st.integers(0, 70), min_size=1, max_size=3))
+@example(p={"rows": 0, "shards": 1, "streaming": False, "repeat": True, "epochs": 3,
+            "shuffled": False, "kit_shuffle": False, "seed": 0}, cuts=[0])  # empty, 3 epochs
 def test_hf_dataset_resumes_exactly(p, cuts):
     def make():
         ds = hf_dataset(p)
