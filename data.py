@@ -174,14 +174,14 @@ def is_transient(error):
     return "SSLError" not in names and bool(names & _TRANSIENT)
 
 
-def _permanent(url, line, error):
+def _permanent(url, where, error):
     """The error to raise for a shard that cannot be read, naming it and why."""
     status, text = _http_status(error), f"{type(error).__name__}: {error}"
     if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
         return FileNotFoundError(f"shard {url} does not exist ({text})")
     if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
         return PermissionError(f"shard {url}: access denied ({text})")
-    return OSError(f"shard {url}: read failed after line {line}: {text}")
+    return OSError(f"shard {url}: read failed after {where}: {text}")
 
 
 def _missing(record, fields):
@@ -189,26 +189,45 @@ def _missing(record, fields):
     return [k for k in fields if record.get(k) is None]
 
 
-class Files(Stage):
-    """Shards of JSON Lines (.jsonl/.json, plain or .gz/.zst/.bz2/.xz) or Parquet, on local
-    disk or anywhere smart_open reaches (s3://, gs://, https://; ``transport_params`` go to it,
-    e.g. ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or
-    ``"parquet"`` reads shards whose names don't tell.
+class SplitError(ValueError):
+    """The shards cannot be cut into a split for every slot (see Files.plan_splits)."""
 
-    The stream is a round-robin over ``n_active_shards`` shard *slots*, one record from each
-    in turn, which mixes documents of different shards without a big shuffle buffer. Slot s
-    reads its own fixed sequence of shards: positions s, s + S, s + 2S, ... of the shard order
-    (epoch after epoch with ``repeat``, forever or for ``epochs`` passes; each epoch reshuffled
-    with ``shuffle_shards``). Fixed sequences are what let ranks split the work without
-    reading what they throw away: with ``rank=r, world_size=W`` (W dividing S) only the slots
-    s = r (mod W) are read, and the result is exactly ``Stride(Files(...), r, W)`` of the
-    one-rank stream while no slot has run out (with ``repeat``, always, unless a slot meets
-    only empty shards).
+    def __init__(self, message, n_splits):
+        super().__init__(message)
+        self.n_splits = n_splits
+
+
+def _cuts(units, n):
+    """``n`` contiguous ranges of about equal size that cover ``range(units)``."""
+    return [(units * j // n, units * (j + 1) // n) for j in range(n)]
+
+
+class Files(Stage):
+    """Shards of JSON Lines (.jsonl/.json/.ndjson, plain or .gz/.zst/.bz2/.xz), JSON arrays (a
+    .json file holding one array of records, as Alpaca's) or Parquet, on local disk or anywhere
+    smart_open reaches (s3://, gs://, https://; ``transport_params`` go to it, e.g.
+    ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or ``"parquet"``
+    reads shards whose names don't tell.
+
+    **Splits.** The shards are cut into input *splits* (see plan_splits): a whole shard, or a
+    range of one (bytes of a JSON Lines shard, row groups of a Parquet shard, records of a JSON
+    array). A byte range owns the lines that *start* inside it, as Hadoop's line reader does:
+    its reader seeks to the start, skips to the first line start at or after it, and reads
+    through the line that crosses its end, so every line belongs to exactly one split.
+
+    **Slots.** The stream is a round-robin over ``n_active_shards`` *slots*, one record from
+    each in turn, which mixes documents of different splits without a big shuffle buffer. Slot s
+    reads positions s, s + S, s + 2S, ... of the sequence of splits, epoch after epoch (with
+    ``repeat``: forever, or ``epochs`` passes; each epoch's split order reshuffled with
+    ``shuffle_shards``). There are at least S splits per epoch, so every document comes once per
+    epoch. Fixed sequences let ranks split the work without reading what they throw away: with
+    ``rank=r, world_size=W`` (W dividing S) only the slots s = r (mod W) are read, and the result
+    is exactly ``Stride(Files(...), r, W)`` of the one-rank stream while no slot has run out.
 
     A slot's state says where its next record starts: the byte offset in a JSON Lines shard
-    (resuming is one seek, a range request over the network), or the row group and row of a
-    Parquet shard (earlier row groups are not read). A compressed stream cannot seek; it is
-    re-read from the start of the current shard only. A dropped connection or a 5xx answer is
+    (resuming is one seek, a range request over the network), the row group and row of a
+    Parquet shard (earlier row groups are not read), the index in a JSON array. A compressed
+    stream cannot seek; it is re-read from its start. A dropped connection or a 5xx answer is
     retried ``retries`` times with exponential backoff, reopening the shard where the next
     record starts, so faults never change the stream; a missing shard or a denied access fails
     at once. ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
@@ -219,7 +238,7 @@ class Files(Stage):
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), format=None,
                  transport_params=None, retries=8, retry_delay=1.0, rank=0, world_size=1):
-        if n_active_shards % world_size:
+        if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
                              f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
@@ -242,33 +261,137 @@ class Files(Stage):
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.transport_params = transport_params
         self.retries, self.retry_delay = retries, retry_delay
-        self._order = (None, None)  # (epoch, shard order) of the last shard opened
+        self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
+        self.plan = self.plan_splits()
+        self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
+            (url, *cut) for url, (units, n) in zip(self.urls, self.plan)
+            for cut in (_cuts(units, n) if units is not None else [(0, None)])]
+        if len(self.splits) < n_active_shards:
+            raise self._too_few_splits(world_size)
+        self._order = (None, None)  # (epoch, split order) of the last split opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
                        "shuffle_shards": shuffle_shards, "seed": seed,
                        "n_active_shards": n_active_shards, "rank": rank,
-                       "world_size": world_size, "format": format}
-        # Open slots: "pos" is the shard's place in the endless sequence of epochs; where the
-        # next record starts ("offset", or "row_group" and "row"); "line" the lines (rows)
+                       "world_size": world_size, "format": format, "split_plan": self.plan}
+        # Open slots: "pos" is the split's place in the endless sequence of epochs; the split
+        # is "url" from "start" to "end" (None: the shard's end); where the next record starts
+        # ("offset", "row_group" and "row", or "index"); "line" the lines (rows) of the split
         # read so far, "records" of them the records handed out.
         self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
         self.slots = [slot for slot in self.slots if slot is not None]
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
-        self._files = [None] * len(self.slots)  # readers of the open shards; never in the state
+        self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
+
+    # -- splits ----------------------------------------------------------------------------
+
+    def plan_splits(self):
+        """How the shards are cut: None (each shard is one split), or [units, splits] per shard.
+
+        Every slot needs a split of its own in every epoch: a slot without one would read the
+        next epoch's copy of a document beside this epoch's (one file over 8 slots used to give
+        every document 8 times in a row, and ranks past the first nothing to read). With at
+        least as many shards as slots, every shard is one split and no shard is looked at,
+        which matters with thousands of shards in a bucket. With fewer, each shard is measured
+        (a stat, a Parquet footer, a JSON array parsed: fewer than n_slots requests) and they
+        are cut into exactly n_slots splits of about equal bytes: one per slot and epoch, so
+        the slots (and ranks) read equal shares and move through the epochs together. The units
+        are bytes (JSON Lines), row groups (Parquet) or records (JSON array); a compressed JSON
+        Lines shard cannot seek, so it is one split (units None). The plan is a pure function
+        of the shards and n_slots, never of the world size, and it is part of the config: a
+        shard that changed size since the state was saved is refused.
+        """
+        if len(self.urls) >= self.n_slots:
+            return None
+        sizes, units, caps = zip(*(self._measure(url) for url in self.urls))
+        counts = [1] * len(self.urls)
+        for _ in range(self.n_slots - len(self.urls)):
+            # D'Hondt: the next split goes to the shard whose splits are the largest now.
+            growable = [i for i in range(len(counts)) if counts[i] < caps[i]]
+            if not growable:
+                break
+            counts[max(growable, key=lambda i: sizes[i] / counts[i])] += 1
+        return [[u, n] for u, n in zip(units, counts)]
+
+    def _measure(self, url):
+        """(bytes, units to cut into, most splits) of a shard; units None when it cannot be
+        cut. Bytes and records may be cut finer than one per split (some splits are empty)."""
+        def attempt():
+            kind = self._kind(url)
+            if kind == "parquet":
+                with self._open(url) as f:
+                    groups = self._parquet(f, url).num_row_groups
+                    return f.seek(0, os.SEEK_END), groups, max(1, groups)
+            size = self._size(url)
+            if kind == "array":
+                return size, len(self._array(url)), math.inf
+            return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
+        return self._retrying(url, "its size", attempt)
+
+    def _too_few_splits(self, world_size):
+        n, most = len(self.splits), len(self.splits) // world_size * world_size
+        fix = (f"pass n_active_shards={most} (train_llm.py: --active-shards {most}), a multiple "
+               f"of the world size {world_size} no larger than {n}" if most else
+               f"that is fewer than the {world_size} ranks: store the data as plain JSON Lines "
+               "(cut at any line), or in more shards or Parquet row groups")
+        return SplitError(
+            f"{len(self.urls)} shard(s) can be cut into only {n} input split(s) (a compressed "
+            "JSON Lines shard cannot be cut, a Parquet shard only between row groups), fewer "
+            f"than the n_active_shards={self.n_slots} slots that must each read one; {fix}.", n)
+
+    def _kind(self, url):
+        """"parquet", "jsonl", or "array" for a .json file holding one JSON array."""
+        if self._format(url) == "parquet":
+            return "parquet"
+        if url not in self._kinds:
+            name = url.split("?")[0]
+            for suffix in _COMPRESSED:
+                name = name.removesuffix(suffix)
+            array = self.format is None and name.endswith(".json") and self._retrying(
+                url, "its first byte", lambda: self._first_byte(url) == b"[")
+            self._kinds[url] = "array" if array else "jsonl"
+        return self._kinds[url]
+
+    def _first_byte(self, url):
+        with self._open(url) as f:
+            while chunk := f.read(4096):
+                if rest := chunk.lstrip(b" \t\r\n\xef\xbb\xbf"):  # whitespace, a UTF-8 BOM
+                    return rest[:1]
+        return b""
+
+    def _array(self, url):
+        """The records of a JSON-array shard, parsed whole once (such files are small: they
+        can only be parsed whole) and shared by its splits while slots read it."""
+        if url not in self._arrays:
+            with self._open(url) as f:
+                try:
+                    records = json.load(f)
+                except ValueError as e:
+                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
+            self._arrays[url] = records
+        return self._arrays[url]
+
+    def _size(self, url):
+        if "://" not in url:
+            return os.path.getsize(url)
+        with self._open(url) as f:
+            return f.seek(0, os.SEEK_END)
 
     def _slot(self, pos):
-        """A new slot reading the shard at position ``pos``, or None past a finite end."""
-        epoch, i = divmod(pos, len(self.urls))
+        """A new slot reading the split at position ``pos``, or None past a finite end."""
+        epoch, i = divmod(pos, len(self.splits))
         if self.epochs is not None and epoch >= self.epochs:
             return None
         if self._order[0] != epoch:  # derived from (seed, epoch), so never saved
-            order = list(self.urls)
+            order = list(range(len(self.splits)))
             if self.shuffle_shards:
                 random.Random(f"{self.seed}-{epoch}").shuffle(order)
             self._order = (epoch, order)
-        url = self._order[1][i]
-        where = ({"row_group": 0, "row": 0} if self._format(url) == "parquet" else {"offset": 0})
-        return {"pos": pos, "url": url, **where, "line": 0, "records": 0}
+        url, start, end = self.splits[self._order[1][i]]
+        where = {"parquet": {"row_group": start, "row": 0},
+                 "array": {"index": start}}.get(self._kind(url), {"offset": start})
+        return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
+                "records": 0}
 
     def _format(self, url):
         return self.format or shard_format(url)
@@ -276,7 +399,9 @@ class Files(Stage):
     @property
     def epoch(self):
         """The oldest epoch still being read."""
-        return min((s["pos"] // len(self.urls) for s in self.slots), default=0)
+        return min((s["pos"] // len(self.splits) for s in self.slots), default=0)
+
+    # -- readers: generators of (line or record, where the next one starts) ------------------
 
     def _open(self, url):
         params = self.transport_params or {}
@@ -285,37 +410,42 @@ class Files(Stage):
         return smart_open.open(url, "rb", transport_params=params)
 
     def _lines(self, slot):
-        """(line, where the next one starts) of a JSON Lines shard, from the slot's offset."""
-        url, offset, line = slot["url"], slot["offset"], slot["line"]
+        """A JSON Lines split, from the slot's offset: the lines that start before its end."""
+        url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
         with self._open(url) as f:
             if offset and url.endswith(_COMPRESSED):
                 # Decompression cannot jump: re-read this shard (and only this one) to offset.
-                remaining = offset
-                while remaining:
-                    if not (chunk := f.read(min(remaining, 1 << 20))):
-                        raise DataError(f"shard {url} is shorter than the saved offset {offset}")
-                    remaining -= len(chunk)
+                if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
+                    raise DataError(f"shard {url} is shorter than the saved offset {offset}")
+            elif offset and offset == slot["start"]:
+                # The line that crosses into this split belongs to the one before: skip to the
+                # first line start at or after `start` (from start - 1, in case it is one).
+                f.seek(offset - 1)
+                offset += len(f.readline()) - 1
             elif offset:
                 f.seek(offset)
-            while text := f.readline():
+            while (end is None or offset < end) and (text := f.readline()):
                 offset, line = offset + len(text), line + 1
                 yield text, {"offset": offset, "line": line}
 
+    def _parquet(self, f, url):
+        try:
+            parquet = pyarrow.parquet.ParquetFile(f)
+        except pyarrow.ArrowInvalid as e:
+            raise DataError(f"shard {url}: not a Parquet file: {e}") from e
+        columns = parquet.schema_arrow.names
+        if missing := [k for k in self.required_fields if k not in columns]:
+            raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
+        return parquet
+
     def _rows(self, slot):
-        """(record, where the next one is) of a Parquet shard, from the slot's row group and
-        row. Only the footer and the row groups from there on are read."""
+        """A Parquet split, from the slot's row group and row. Only the footer and the row
+        groups from there on are read."""
         url = slot["url"]
         with self._open(url) as f:
-            try:
-                parquet = pyarrow.parquet.ParquetFile(f)
-            except pyarrow.ArrowInvalid as e:
-                raise DataError(f"shard {url}: not a Parquet file: {e}") from e
-            columns = parquet.schema_arrow.names
-            missing = [k for k in self.required_fields if k not in columns]
-            if missing:
-                raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
-            line = slot["line"]
-            for group in range(slot["row_group"], parquet.num_row_groups):
+            parquet = self._parquet(f, url)
+            line, end = slot["line"], slot["end"]
+            for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
                 table = parquet.read_row_group(group)
                 for start in range(slot["row"] if group == slot["row_group"] else 0,
                                    table.num_rows, 1024):  # to Python 1024 rows at a time
@@ -324,41 +454,91 @@ class Files(Stage):
                         where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
                         yield record, {"row_group": where[0], "row": where[1], "line": line}
 
-    def _fetch(self, i):
-        """The next (line or record, where the next starts) of slot i, None at the end of
-        the shard. Transient faults are retried; the shard is reopened where the slot is."""
-        slot = self.slots[i]
-        for attempt in range(self.retries + 1):
+    def _elements(self, slot):
+        """A JSON-array split, from the slot's index."""
+        records = self._array(slot["url"])
+        end = len(records) if slot["end"] is None else slot["end"]
+        for index in range(slot["index"], end):
+            yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
+                                   slot["index"]}
+
+    def _reader(self, slot):
+        kind = self._kind(slot["url"])
+        return (self._rows if kind == "parquet" else self._elements if kind == "array"
+                else self._lines)(dict(slot))
+
+    def _retrying(self, url, where, attempt, reset=None):
+        """attempt(), again after a transient fault (with exponential backoff), at most
+        ``retries`` times. ``reset`` drops a broken reader: the next attempt reopens the shard
+        where the slot is. Other errors fail at once, naming the shard."""
+        for n in range(self.retries + 1):
             try:
-                if self._files[i] is None:
-                    read = self._rows if self._format(slot["url"]) == "parquet" else self._lines
-                    self._files[i] = read(dict(slot))
-                return next(self._files[i], None)
-            except DataError:
-                self._files[i] = None
-                raise
-            except Exception as e:  # the generator is finished now: reopen it, or give up
-                self._files[i] = None
+                return attempt()
+            except Exception as e:
+                if reset is not None:
+                    reset()
+                if isinstance(e, DataError):
+                    raise
                 if not is_transient(e):
-                    raise _permanent(slot["url"], slot["line"], e) from e
-                if attempt == self.retries:
-                    raise OSError(f"shard {slot['url']}: still failing after {self.retries} "
-                                  f"retries, at line {slot['line']}: {e}") from e
-                delay = min(self.retry_delay * 2 ** attempt, 60)
-                log.warning("shard %s, line %d: %s: %s; retry %d of %d in %.1f s", slot["url"],
-                            slot["line"], type(e).__name__, e, attempt + 1, self.retries, delay)
+                    raise _permanent(url, where, e) from e
+                if n == self.retries:
+                    raise OSError(f"shard {url}: still failing after {self.retries} retries, "
+                                  f"at {where}: {e}") from e
+                delay = min(self.retry_delay * 2 ** n, 60)
+                log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
+                            type(e).__name__, e, n + 1, self.retries, delay)
                 time.sleep(delay)
 
+    def _fetch(self, i):
+        """The next (line or record, where the next starts) of slot i, None at the split's end."""
+        def attempt():
+            if self._files[i] is None:
+                self._files[i] = self._reader(self.slots[i])
+            return next(self._files[i], None)
+
+        def reset():
+            self._files[i] = None
+        return self._retrying(self.slots[i]["url"], self._where(self.slots[i]), attempt, reset)
+
+    def _where(self, slot):
+        """Where a slot is, cheaply: for retry messages."""
+        if "row_group" in slot:
+            return f"row group {slot['row_group']}, row {slot['row']}"
+        if "index" in slot:
+            return f"record {slot['index']}"
+        return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
+
+    def _position(self, slot):
+        """The line (row, record) of the shard that the slot read last, counted from the
+        shard's start: a split that starts inside it counts the lines before it, once."""
+        url, start = slot["url"], slot["start"]
+        if "index" in slot:
+            return f"record {slot['index']}"
+        if start and (url, start) not in self._bases:
+            def count():
+                if "row_group" in slot:
+                    with self._open(url) as f:
+                        meta = self._parquet(f, url).metadata
+                        return sum(meta.row_group(g).num_rows for g in range(start))
+                with self._open(url) as f:  # the lines before the split's first line
+                    return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1
+            self._bases[url, start] = self._retrying(url, "counting lines", count)
+        line = self._bases.get((url, start), 0) + slot["line"]
+        return f"row {line}" if "row_group" in slot else f"line {line}"
+
+    # -- the round-robin -------------------------------------------------------------------
+
     def _read(self, i):
-        """The next record of slot i, or None at the end of its shard."""
+        """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
+        text = self._kind(slot["url"]) == "jsonl"
         while (item := self._fetch(i)) is not None:
             data, where = item
             slot.update(where)
-            if not isinstance(data, dict) and not data.strip():
+            if text and not data.strip():
                 continue  # a blank line is not a record
             try:
-                record = data if isinstance(data, dict) else json.loads(data)  # Parquet: a row
+                record = json.loads(data) if text else data
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
                 if missing := _missing(record, self.required_fields):
@@ -367,48 +547,51 @@ class Files(Stage):
                 slot["records"] += 1
                 return record
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                kind = "row" if isinstance(data, dict) else "line"
-                msg = (f"shard {slot['url']}, {kind} {slot['line']}: bad record: "
+                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
                        f"{type(e).__name__}: {e}")
                 if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True skips such lines)") from e
+                    raise DataError(msg + " (skip_bad_records=True skips such records)") from e
                 self.skipped += 1
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
         return None
 
     def _dead(self, empties):
-        """Would a slot that just met these empty shards in a row loop forever?"""
-        if len(set(empties)) == len(set(self.urls)):
-            return True  # every shard is empty
-        # Without shuffle_shards a slot sees a fixed cycle of at most len(urls) shards.
-        return not self.shuffle_shards and len(empties) >= len(self.urls)
+        """Would a slot that just met these empty splits in a row loop forever?"""
+        if len(set(empties)) == len({(url, start) for url, start, _ in self.splits}):
+            return True  # every split is empty
+        # Without shuffle_shards a slot sees a fixed cycle of at most len(splits) splits.
+        return not self.shuffle_shards and len(empties) >= len(self.splits)
 
     def __next__(self):
-        empties = []  # empty shards in a row, all met by the slot whose turn it is
+        empties = []  # empty splits in a row, all met by the slot whose turn it is
         while self.slots:
             self.turn %= len(self.slots)
             record = self._read(self.turn)
             if record is not None:
                 self.turn += 1
                 return record
-            # The shard is done: the slot moves on to its next shard, keeping its turn.
+            # The split is done: the slot moves on to its next split, keeping its turn.
             done = self.slots[self.turn]
             self._files[self.turn].close()
             self._files[self.turn] = None
-            # Blank lines and skipped bad records don't make a shard non-empty: records do.
-            empties = [*empties, done["url"]] if done["records"] == 0 else []
-            if empties:
+            # Blank lines and skipped bad records don't make a split non-empty: records do.
+            empties = [*empties, (done["url"], done["start"])] if done["records"] == 0 else []
+            if empties and (self.plan is None or done["end"] is None):  # a whole shard
                 log.warning("shard %s has no records", done["url"])
             following = None if self._dead(empties) else self._slot(done["pos"] + self.n_slots)
-            if following is None:  # this slot has no shards left
+            if following is None:  # this slot has no splits left
                 self.slots.pop(self.turn)
                 self._files.pop(self.turn)
                 empties = []
             else:
                 self.slots[self.turn] = following
+            self._arrays = {url: records for url, records in self._arrays.items()
+                            if any(slot["url"] == url for slot in self.slots)}
         if self.epochs is None:
-            raise ValueError(f"no records in {len(self.urls)} shards: every slot found only "
-                             f"empty shards ({self.urls[:3]}...)")
+            rank, world = self.config["rank"], self.config["world_size"]
+            whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
+            raise ValueError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
+                             f"stream would wait forever ({self.urls[:3]}...)")
         raise StopIteration
 
     def state_dict(self):
@@ -419,7 +602,9 @@ class Files(Stage):
         self._load(state)
         self.close()
         self.turn, self.skipped = state["turn"], state["skipped"]
-        self.slots = [dict(s) for s in state["slots"]]
+        # (States saved before splits existed read whole shards: start 0, no end.)
+        self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
+                      for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
 
     def close(self):
@@ -442,6 +627,13 @@ class Files(Stage):
             return other.state_dict()
         finally:
             other.close()
+
+
+def _chunks(f, n):
+    """The first ``n`` bytes of a file, 1 MiB at a time."""
+    while n > 0 and (chunk := f.read(min(n, 1 << 20))):
+        n -= len(chunk)
+        yield chunk
 
 
 class Sequence(Stage):

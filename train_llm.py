@@ -510,17 +510,25 @@ def source(spec, args, rank, world_size, train):
     saved = any(os.path.exists(os.path.join(name, f))  # what save_to_disk writes
                 for f in ("dataset_info.json", "dataset_dict.json"))
     if not saved and (local or "://" in spec or data.shard_format(name)):
-        # The global document order is a round-robin over the shard slots and does not depend
-        # on the world size. Rank r opens only slots r, r + W, ... (DESIGN.md section 4), so it
-        # reads documents r, r + W, ... of that order and nothing it would throw away.
+        # The global document order is a round-robin over --active-shards slots, each reading
+        # its own input splits (a shard, or a piece of one: see data.Files). Rank r reads only
+        # slots r, r + W, ..., so it reads documents r, r + W, ... of that order and nothing it
+        # would throw away. Validation reads its splits once, 4 at a time (fewer if the data
+        # cannot be cut into 4, e.g. one compressed file).
         slots = args.active_shards if train else 4
         if slots % world_size:
             sys.exit(f"--active-shards {slots} is not a multiple of the world size "
-                     f"{world_size}: every rank reads whole shard slots. Pass a multiple of it "
+                     f"{world_size}: every rank reads whole slots. Pass a multiple of it "
                      "(and keep it on resume: it shapes the data order).")
-        return data.Files(spec, repeat=train, epochs=args.epochs, shuffle_shards=train,
-                          seed=args.seed, n_active_shards=slots, rank=rank,
-                          world_size=world_size, required_fields=required)
+        make = functools.partial(data.Files, spec, repeat=train, epochs=args.epochs,
+                                 shuffle_shards=train, seed=args.seed, rank=rank,
+                                 world_size=world_size, required_fields=required)
+        try:
+            return make(n_active_shards=slots)
+        except data.SplitError as e:
+            if train:
+                sys.exit(f"--dataset {spec}: {e}")
+            return make(n_active_shards=e.n_splits)
     try:
         if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
             dataset = datasets.load_from_disk(name)
@@ -651,7 +659,8 @@ def get_parser():
     add("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
     add("--shuffle-buffer", type=int, default=1000, help="sequences in the shuffle buffer (1: off)")
     add("--active-shards", type=int, default=8,
-        help="shards read at a time, round-robin; a multiple of the number of ranks")
+        help="slots: input splits (shards, or pieces of them) read at a time, round-robin; a "
+             "multiple of the number of ranks")
     add("--epochs", type=int, default=None,
         help="stop after this many passes over --dataset (default: endless; see --max-steps)")
     add("--log-freq", type=int, default=10, help="print throughput, memory and MFU every N steps")
