@@ -129,11 +129,11 @@ def yields_something(urls, p):
 def split_capacity(urls):
     """The most input splits these shards can be cut into, worked out without Files: a
     compressed JSON Lines shard stays whole, Parquet is cut between row groups, plain JSON
-    Lines anywhere (into empty ranges, if need be)."""
+    Lines and JSON arrays (.json here) anywhere (into empty ranges, if need be)."""
     def most(url):
         if url.endswith(".parquet"):
             return max(1, pyarrow.parquet.ParquetFile(url).num_row_groups)
-        return 1 if url.endswith((".gz", ".zst")) else float("inf")
+        return 1 if url.endswith((".jsonl.gz", ".jsonl.zst")) else float("inf")
     return sum(map(most, urls))
 
 
