@@ -316,8 +316,9 @@ class Files(Stage):
     def _measure(self, url):
         """(bytes, units to cut into, most splits) of a shard; units None when it cannot be
         cut. Bytes and records may be cut finer than one per split (some splits are empty)."""
+        kind = self._kind(url)  # (it retries on its own: not inside the retries below)
+
         def attempt():
-            kind = self._kind(url)
             if kind == "parquet":
                 with self._open(url) as f:
                     groups = self._parquet(f, url).num_row_groups
@@ -491,6 +492,8 @@ class Files(Stage):
 
     def _fetch(self, i):
         """The next (line or record, where the next starts) of slot i, None at the split's end."""
+        self._kind(self.slots[i]["url"])  # known before the retries, which must not nest
+
         def attempt():
             if self._files[i] is None:
                 self._files[i] = self._reader(self.slots[i])
@@ -557,7 +560,7 @@ class Files(Stage):
 
     def _dead(self, empties):
         """Would a slot that just met these empty splits in a row loop forever?"""
-        if len(set(empties)) == len({(url, start) for url, start, _ in self.splits}):
+        if len(set(empties)) == len(set(self.splits)):
             return True  # every split is empty
         # Without shuffle_shards a slot sees a fixed cycle of at most len(splits) splits.
         return not self.shuffle_shards and len(empties) >= len(self.splits)
@@ -575,7 +578,8 @@ class Files(Stage):
             self._files[self.turn].close()
             self._files[self.turn] = None
             # Blank lines and skipped bad records don't make a split non-empty: records do.
-            empties = [*empties, (done["url"], done["start"])] if done["records"] == 0 else []
+            split = (done["url"], done["start"], done["end"])
+            empties = [*empties, split] if done["records"] == 0 else []
             if empties and (self.plan is None or done["end"] is None):  # a whole shard
                 log.warning("shard %s has no records", done["url"])
             following = None if self._dead(empties) else self._slot(done["pos"] + self.n_slots)

@@ -176,6 +176,31 @@ def test_more_ranks_than_files(tmp_path):
     assert sum(totals) == 620 and max(totals) <= 2 * 620 / 8
 
 
+def test_tiny_shards_cut_into_empty_splits_lose_nothing(tmp_path):
+    """3 records over 8 slots: most splits are empty, and with shuffled epochs a slot may meet
+    several empty ones in a row. It must not give up while splits with records remain."""
+    array = write(tmp_path / "small.json", [{"i": i} for i in range(3)])
+    lines = write(tmp_path / "tiny.jsonl", [{"i": 0}])
+    for url, n in [(array, 3), (lines, 1)]:
+        files = Files(url, n_active_shards=8, repeat=True, epochs=50, shuffle_shards=True)
+        assert collections.Counter(r["i"] for r in files) == {i: 50 for i in range(n)}
+        endless = Files(url, n_active_shards=8, repeat=True, shuffle_shards=True)
+        assert len([next(endless) for _ in range(500)]) == 500
+
+
+def test_a_failing_shard_is_retried_retries_times_not_more(tmp_path, monkeypatch):
+    url = write(tmp_path / "a.json", [{"text": "a"}])
+    opened = []
+
+    def broken(*args, **kwargs):
+        opened.append(args[0])
+        raise ConnectionError("reset by peer")
+    monkeypatch.setattr(data.smart_open, "open", broken)
+    with pytest.raises(OSError, match="still failing after 3 retries") as error:
+        Files(url, n_active_shards=2, retries=3, retry_delay=0)
+    assert len(opened) == 4 and str(error.value).count("still failing") == 1
+
+
 def test_alpaca_json_array(tmp_path):
     """Alpaca's alpaca_data.json is one pretty-printed JSON array: read whole, cut by index,
     every record once, resumed exactly; gzip too. A JSON Lines file named .json still reads
