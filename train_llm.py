@@ -16,7 +16,9 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
+import shlex
 import signal
 import sys
 import threading
@@ -82,41 +84,9 @@ def main():
     if "LOCAL_RANK" in os.environ:
         utils.die_with_parent()
 
-    # Resume iff state.json exists. It is replaced only after a checkpoint is complete, so it
-    # always names one that loads. Check it first: a refusal or "already done" costs nothing.
-    # (Every rank reads it and so takes the same decision.)
-    fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
-    fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
-    if (exp_dir / "state.json").exists():
-        state = json.loads((exp_dir / "state.json").read_text())
-        for name, saved in state["config"].items():
-            if fingerprint.get(name) == saved:
-                continue
-            if name == "global_batch":
-                sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
-                         f"{saved} sequences when {exp_dir} was started and is "
-                         f"{fingerprint[name]} now ({args.batch_size} x {args.grad_accum} x "
-                         f"{world_size}). Pick --batch-size and --grad-accum so that it stays "
-                         f"{saved}, or start a new --experiment-name.")
-            sys.exit(f"--{name.replace('_', '-')} was {saved!r} when {exp_dir} was started "
-                     f"and is {fingerprint.get(name)!r} now. Resuming would train a "
-                     "different run: pass the old value, or start a new --experiment-name.")
-        if state["global_step"] >= args.max_steps or state.get("data_exhausted"):
-            LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']}: it is done, at step "
-                        f"{state['global_step']} of --max-steps {args.max_steps}"
-                        f"{' (its data ran out)' if state.get('data_exhausted') else ''}. "
-                        "Raise --max-steps to train further.")
-            return
-        LOGGER.info(f"Resuming {exp_dir} from {state['checkpoint']} "
-                    f"(step {state['global_step']} of {args.max_steps})")
-    else:
-        state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
-                 "wandb_run_id": None, "config": fingerprint, "domain_tokens": {}}
-        LOGGER.info(f"Starting {exp_dir} from scratch")
-    if rank == 0:
-        # A run killed after its last checkpoint may have logged (and half-saved) later steps.
-        # This run redoes them, so drop them: metrics.jsonl then has every step exactly once.
-        utils.discard_after(exp_dir, state["global_step"])
+    state = open_run(args, exp_dir, world_size)
+    if state is None:  # done already: nothing to train
+        return
 
     # Device: a GPU runs matmuls in bf16 under autocast while weights and optimizer state stay
     # float32 (mixed precision). CPUs run plain float32: bf16 is slow on most of them.
@@ -170,9 +140,6 @@ def main():
         model = AutoModelForCausalLM.from_config(config)
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    ckpt_dir = exp_dir / state["checkpoint"] if state["checkpoint"] else None
-    if ckpt_dir and not args.fsdp:
-        model.load_state_dict(utils.load(ckpt_dir / "model.pt", device))
     flops_per_token = utils.flops_per_token(model, config, args.seq_length)
 
     # Data parallelism. DDP keeps a full copy of the model on every rank and averages the
@@ -238,35 +205,14 @@ def main():
     if not val_batches:
         sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
 
-    # Resume: everything that evolves during training comes back from the checkpoint. The RNG
-    # states go last, after everything above has drawn from the RNGs.
-    if ckpt_dir:
-        if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optimizer": optim_state},
-                     checkpoint_id=ckpt_dir / "dcp")
-            set_state_dict(model, optimizer, model_state_dict=model_state,
-                           optim_state_dict=optim_state)
-        else:
-            optimizer.load_state_dict(utils.load(ckpt_dir / "optimizer.pt", device))
-        lr_scheduler.load_state_dict(utils.load(ckpt_dir / "lr_scheduler.pt", device))
-        saved_world = state.get("world_size", 1)
-
-        def loader_state(r):
-            return json.loads((ckpt_dir / f"loader-rank{r}.json").read_text())
-
-        if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
-            train_loader.load_state_dict(loader_state(rank))
-        else:  # another number of ranks: see data.reshard for the guarantee
-            try:
-                report = data.reshard(train_loader, [loader_state(r) for r in range(saved_world)])
-            except ValueError as e:
-                sys.exit(f"Cannot resume on {world_size} ranks what {saved_world} saved: {e}")
-            LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
-                        f"skipped or repeated; {report}")
-        rng_file = ckpt_dir / f"rng-rank{rank}.pt"
-        utils.set_rng_state(utils.load(rng_file if rng_file.exists()
-                                       else ckpt_dir / "rng-rank0.pt", "cpu"))
+    # Resume: everything that evolves during training comes back from the checkpoint. Only
+    # once it has loaded does a resume forget what a killed run did after it (later metrics,
+    # debris of unfinished saves), so that metrics.jsonl then has every step exactly once.
+    if state["checkpoint"]:
+        load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, train_loader,
+                        args.fsdp, device, rank, world_size)
+    if rank == 0:
+        utils.discard_after(exp_dir, state["global_step"])
     state["world_size"] = world_size
 
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
@@ -451,6 +397,107 @@ def main():
         dist.destroy_process_group()
     if not stop.is_set():
         LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens.")
+
+
+def open_run(args, exp_dir, world_size):
+    """The run state to continue from (a fresh one for a new run), or None if it is done.
+
+    A run resumes iff its directory holds a complete checkpoint (utils.run_state: the one
+    state.json names, or the newest one if state.json is lost). Checked first, so a refusal or
+    "already done" costs nothing; every rank reads the same files and decides alike.
+    """
+    fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
+    fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
+    state, why = utils.run_state(exp_dir, args.resume_from)
+    if state is None:
+        LOGGER.info(f"Starting {exp_dir} from scratch")
+        return {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
+                "wandb_run_id": None, "config": fingerprint, "domain_tokens": {}}
+    for name, saved in state["config"].items():
+        if fingerprint.get(name) == saved:
+            continue
+        if name == "global_batch":
+            sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
+                     f"{saved} sequences when {exp_dir} was started and is "
+                     f"{fingerprint[name]} now ({args.batch_size} x {args.grad_accum} x "
+                     f"{world_size}). Pick --batch-size and --grad-accum so that it stays "
+                     f"{saved}, or start a new --experiment-name.")
+        sys.exit(f"--{name.replace('_', '-')} was {saved!r} when {exp_dir} was started "
+                 f"and is {fingerprint.get(name)!r} now. Resuming would train a "
+                 "different run: pass the old value, or start a new --experiment-name.")
+    where = f"{state['checkpoint']}{f' ({why})' if why else ''}"
+    if state.get("data_exhausted"):
+        LOGGER.info(f"{exp_dir} is done: its data ran out at step {state['global_step']} "
+                    f"({where}) after --epochs {args.epochs} passes. --epochs is part of the "
+                    "run and cannot change on resume: train on in a new --experiment-name.")
+        return None
+    if state["global_step"] >= args.max_steps:
+        LOGGER.info(f"{exp_dir} is done: step {state['global_step']} of --max-steps "
+                    f"{args.max_steps} ({where}). Raise --max-steps to train further.")
+        return None
+    LOGGER.info(f"Resuming {exp_dir} from {where}, step {state['global_step']} of "
+                f"{args.max_steps}")
+    return state
+
+
+def load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, train_loader,
+                    fsdp, device, rank, world_size):
+    """Model, optimizer, schedule, loader state and, last (after everything else has drawn
+    from them), the RNG states, from the checkpoint that ``state`` names. A file that does not
+    load ends the run with one paragraph that names it and the older checkpoint to use."""
+    ckpt_dir = exp_dir / state["checkpoint"]
+    name = "dcp" if fsdp else "model.pt"
+    try:
+        if fsdp:  # each rank loads its shards; DCP reshards when the world size changed
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optim_state},
+                     checkpoint_id=ckpt_dir / "dcp")
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=optim_state)
+        else:
+            raw_model.load_state_dict(utils.load(ckpt_dir / name, device))
+            name = "optimizer.pt"
+            optimizer.load_state_dict(utils.load(ckpt_dir / name, device))
+        name = "lr_scheduler.pt"
+        lr_scheduler.load_state_dict(utils.load(ckpt_dir / name, device))
+        saved_world = state.get("world_size", 1)
+
+        def loader_state(r):
+            nonlocal name
+            name = f"loader-rank{r}.json"
+            return json.loads((ckpt_dir / name).read_text())
+
+        if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
+            train_loader.load_state_dict(loader_state(rank))
+        else:  # another number of ranks: see data.reshard for the guarantee
+            states = [loader_state(r) for r in range(saved_world)]
+            try:
+                report = data.reshard(train_loader, states)
+            except ValueError as e:
+                sys.exit(f"Cannot resume on {world_size} ranks what {saved_world} saved: {e}")
+            LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
+                        f"skipped or repeated; {report}")
+        name = f"rng-rank{rank}.pt"
+        if not (ckpt_dir / name).exists():  # a new rank after a resharding: rank 0's states
+            name = "rng-rank0.pt"
+        utils.set_rng_state(utils.load(ckpt_dir / name, "cpu"))
+    except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
+        sys.exit(damaged_checkpoint(exp_dir, ckpt_dir, ckpt_dir / name, e))
+
+
+def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
+    """The paragraph for a checkpoint that does not load: which file, and how to go on."""
+    text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Nothing was changed or deleted.")
+    older = [d for d in utils.complete_checkpoints(exp_dir).values() if d.name < ckpt_dir.name]
+    if not older:
+        return text + " No older complete checkpoint is left: start a new --experiment-name."
+    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
+            and sys.argv[i - 1] != "--resume-from"]
+    command = shlex.join(["python", "train_llm.py", *argv, "--resume-from", max(older).name])
+    return (text + f" The previous checkpoint {max(older)} is complete; resume from it (this "
+            f"discards what was logged after it) with:\n  {command}")
 
 
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=None,
@@ -645,6 +692,9 @@ def get_parser():
     add("--init-from-pretrained", action="store_true",
         help="load the weights of --model-name instead of initializing them randomly")
     add("--save-dir", default="outputs", help="where experiment directories are created")
+    add("--resume-from", default=None, metavar="CHECKPOINT",
+        help="resume from this kept checkpoint (e.g. step-000400) instead of the newest one: a "
+             "rollback; the steps logged after it are discarded once it has loaded")
     add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
     add("--max-steps", type=int, default=600,
         help="optimizer steps to train for (may be raised on resume)")

@@ -341,6 +341,9 @@ def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: N
     barrier()
     state["checkpoint"] = str(final.relative_to(exp_dir))
     if rank == 0:
+        # The checkpoint carries the run state it belongs to, so a run directory whose
+        # state.json is lost or torn can still be resumed from its checkpoints alone.
+        _write_file(tmp / "state.json", lambda f: f.write(json.dumps(state, indent=2).encode()))
         # A directory of this name can only be left over from a killed run that never got to
         # name it in state.json; nothing points to it.
         shutil.rmtree(final, ignore_errors=True)
@@ -350,6 +353,48 @@ def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: N
         for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
             shutil.rmtree(old)
     barrier()  # no rank runs ahead into a checkpoint that is not complete
+
+
+def complete_checkpoints(exp_dir):
+    """{step: directory} of the checkpoints that carry their run state (every complete one)."""
+    return {step: d for step, d in _step_dirs(exp_dir).items() if (d / "state.json").exists()}
+
+
+def run_state(exp_dir, resume_from=None):
+    """(the run state to resume from, or None to start afresh; why, for the log).
+
+    state.json names the newest complete checkpoint, and each checkpoint carries a copy of the
+    state it was saved with. So a lost or torn state.json, or a kill between a checkpoint's
+    rename and the replacement of state.json, still resumes from the newest complete
+    checkpoint. ``resume_from`` picks an older one on purpose (to roll back past a loss spike).
+    Nothing is deleted here: a state that cannot be found is a refusal, never a fresh start.
+    """
+    complete = complete_checkpoints(exp_dir)
+    if resume_from:
+        path = Path(resume_from)
+        path = path if (path / "state.json").exists() else exp_dir / "checkpoints" / path.name
+        if not (path / "state.json").exists():
+            sys.exit(f"--resume-from {resume_from}: no complete checkpoint there. The complete "
+                     f"checkpoints of {exp_dir} are: "
+                     f"{', '.join(d.name for d in complete.values()) or 'none'}.")
+        return json.loads((path / "state.json").read_text()), "as --resume-from asks"
+    root, state, why = exp_dir / "state.json", None, None
+    if root.exists():
+        try:
+            state = json.loads(root.read_text())
+        except ValueError as e:
+            why = f"{root} is unreadable ({e})"
+    elif _step_dirs(exp_dir):
+        why = f"{root} is missing"
+    newest = max(complete, default=None)
+    if newest is not None and (state is None or newest > state["global_step"]):
+        state = json.loads((complete[newest] / "state.json").read_text())
+        return state, f"{why or 'state.json names an older one'}: the newest complete checkpoint"
+    if why:
+        sys.exit(f"{why}, and {exp_dir} holds no checkpoint that carries its run state "
+                 "(checkpoints of this kit's earlier versions do not). Nothing was changed. "
+                 "Start a new --experiment-name, or move the old files away.")
+    return state, ""
 
 
 def discard_after(exp_dir, step):

@@ -259,7 +259,7 @@ def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(
     assert state["world_size"] == 2
     assert {p.name for p in (two_ranks / state["checkpoint"]).iterdir()} == {
         "model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "rng-rank1.pt",
-        "loader-rank0.json", "loader-rank1.json"}
+        "loader-rank0.json", "loader-rank1.json", "state.json"}
 
 
 def kill_until_done(args, exp_dir, log, kills=2):

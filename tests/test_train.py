@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # One thread each: faster for a model this small, and the same float sums in every process.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAX_STEPS = 30
-CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json"}
+CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json",
+              "state.json"}
 
 
 def train_args(save_dir, model, name="run", **overrides):
@@ -88,8 +89,11 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000020", "step-000030"]
     for ckpt in checkpoints.iterdir():
         assert {p.name for p in ckpt.iterdir()} == CKPT_FILES
-        for name in CKPT_FILES - {"loader-rank0.json"}:
+        for name in CKPT_FILES - {"loader-rank0.json", "state.json"}:
             torch.load(ckpt / name, weights_only=True)
+        # The checkpoint's own copy of the run state names it: a run can resume from it alone.
+        own = json.loads((ckpt / "state.json").read_text())
+        assert own["checkpoint"] == f"checkpoints/{ckpt.name}"
     assert list((straight / "profile").glob("rank0-steps3-4.json"))
 
     rows = metrics(straight)
