@@ -19,6 +19,7 @@ import array
 import collections
 import copy
 import glob
+import itertools
 import json
 import logging
 import math
@@ -100,7 +101,8 @@ class Stage:
 # ----------------------------------------------------------------------------------------------
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+            ".txt": "text"}
 
 
 class DataError(ValueError):
@@ -108,7 +110,7 @@ class DataError(ValueError):
 
 
 def shard_format(url):
-    """"jsonl" or "parquet" from a shard's name (compression suffix aside), else None."""
+    """"jsonl", "parquet" or "text" from a shard's name (compression suffix aside), else None."""
     name = url.split("?")[0]
     for suffix in _COMPRESSED:
         name = name.removesuffix(suffix)
@@ -124,6 +126,9 @@ def expand_urls(urls):
             if local and os.path.isdir(url):
                 found = sorted(p for p in glob.glob(os.path.join(url, "**", "*"), recursive=True)
                                if os.path.isfile(p) and shard_format(p))
+                # .txt files beside JSON or Parquet shards are notes, not data.
+                if any(shard_format(p) != "text" for p in found):
+                    found = [p for p in found if shard_format(p) != "text"]
             elif local and glob.has_magic(url):
                 found = sorted(glob.glob(url))
             else:
@@ -232,24 +237,29 @@ class Files(Stage):
     record starts, so faults never change the stream; a missing shard or a denied access fails
     at once. ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
     reported with shard and line like malformed JSON (a Parquet shard without such a column
-    is refused when opened).
+    is refused when opened); so does ``check(record)`` raising ValueError, which lets the
+    stages downstream (Tokenize, FormatInstructions) have their needs checked where the
+    shard and line are known. A ``.txt`` shard is read like the Hugging Face ``text`` loader
+    does: a record ``{"text": line}`` per non-blank line.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
-                 n_active_shards=1, skip_bad_records=False, required_fields=(), format=None,
-                 transport_params=None, retries=8, retry_delay=1.0, rank=0, world_size=1):
+                 n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
+                 format=None, transport_params=None, retries=8, retry_delay=1.0, rank=0,
+                 world_size=1):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
                              f"world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
-        if format not in (None, "jsonl", "parquet"):
-            raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet' or None (by suffix)")
+        if format not in (None, "jsonl", "parquet", "text"):
+            raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
+                             "suffix)")
         self.format = format
         for url in self.urls:
             if self._format(url) is None:
                 raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
                                  f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
-                                 f"{_COMPRESSED}): pass format='jsonl' or format='parquet'")
+                                 f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
             if self._format(url) == "parquet" and url.endswith(_COMPRESSED):
                 raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
                                  "cannot be compressed as a whole (it compresses inside)")
@@ -259,6 +269,7 @@ class Files(Stage):
         self.epochs = epochs if repeat else 1  # passes over the shards; None: endless
         self.n_slots = n_active_shards
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
+        self.check = check
         self.transport_params = transport_params
         self.retries, self.retry_delay = retries, retry_delay
         self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
@@ -341,9 +352,9 @@ class Files(Stage):
             f"than the n_active_shards={self.n_slots} slots that must each read one; {fix}.", n)
 
     def _kind(self, url):
-        """"parquet", "jsonl", or "array" for a .json file holding one JSON array."""
-        if self._format(url) == "parquet":
-            return "parquet"
+        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        if self._format(url) in ("parquet", "text"):
+            return self._format(url)
         if url not in self._kinds:
             name = url.split("?")[0]
             for suffix in _COMPRESSED:
@@ -466,7 +477,7 @@ class Files(Stage):
     def _reader(self, slot):
         kind = self._kind(slot["url"])
         return (self._rows if kind == "parquet" else self._elements if kind == "array"
-                else self._lines)(dict(slot))
+                else self._lines)(dict(slot))  # JSON Lines and text: lines
 
     def _retrying(self, url, where, attempt, reset=None):
         """attempt(), again after a transient fault (with exponential backoff), at most
@@ -534,26 +545,30 @@ class Files(Stage):
     def _read(self, i):
         """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
-        text = self._kind(slot["url"]) == "jsonl"
+        kind = self._kind(slot["url"])
         while (item := self._fetch(i)) is not None:
             data, where = item
             slot.update(where)
-            if text and not data.strip():
+            if kind in ("jsonl", "text") and not data.strip():
                 continue  # a blank line is not a record
             try:
-                record = json.loads(data) if text else data
+                record = (json.loads(data) if kind == "jsonl" else {"text": data.decode()
+                          .rstrip("\r\n")} if kind == "text" else data)
                 if not isinstance(record, dict):
                     raise ValueError(f"expected a JSON object, got {type(record).__name__}")
                 if missing := _missing(record, self.required_fields):
                     raise ValueError(f"missing or null field(s) {missing}; it has "
                                      f"{sorted(k for k in record if record[k] is not None)}")
+                if self.check is not None:
+                    self.check(record)
                 slot["records"] += 1
                 return record
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
                 msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
                        f"{type(e).__name__}: {e}")
                 if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True skips such records)") from e
+                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
+                                    "--skip-bad-records, skips such records)") from e
                 self.skipped += 1
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
         return None
@@ -594,8 +609,8 @@ class Files(Stage):
         if self.epochs is None:
             rank, world = self.config["rank"], self.config["world_size"]
             whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
-            raise ValueError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
-                             f"stream would wait forever ({self.urls[:3]}...)")
+            raise DataError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
+                            f"stream would wait forever ({self.urls[:3]}...)")
         raise StopIteration
 
     def state_dict(self):
@@ -863,8 +878,9 @@ class Tokenize(Stage):
     """
 
     def __init__(self, src, tokenizer, *, column="text", num_threads=2, batch_size=64,
-                 add_special_tokens=True):
+                 add_special_tokens=True, max_chars=None):
         self.src, self.column, self.batch_size = src, column, batch_size
+        self.max_chars, self._cuts = max_chars, itertools.count(1)
         self.add_special_tokens = add_special_tokens
         self.num_threads = max(1, num_threads)
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -877,7 +893,8 @@ class Tokenize(Stage):
         vocab = (self.backend.get_vocab_size(with_added_tokens=True) if self.backend
                  else len(tokenizer))
         self.config = {"tokenizer": name, "vocab_size": vocab, "column": column,
-                       "batch_size": batch_size, "add_special_tokens": add_special_tokens}
+                       "batch_size": batch_size, "add_special_tokens": add_special_tokens,
+                       "max_chars": max_chars}
         self._pool = None
         self._inflight = collections.deque()  # (upstream state before the batch, future)
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
@@ -891,12 +908,31 @@ class Tokenize(Stage):
             return [e.ids for e in encs]
         return self.tokenizer(texts, add_special_tokens=self.add_special_tokens)["input_ids"]
 
+    @staticmethod
+    def check_record(record, column="text"):
+        """What Tokenize needs of a record: for Files(check=...), which names shard and line."""
+        if not isinstance(record.get(column), str):
+            raise ValueError(f"field {column!r} is {type(record.get(column)).__name__}, not a "
+                             f"string (keys: {sorted(record)})")
+
+    def _pieces(self, sample):
+        """A document longer than max_chars, cut into pieces of max_chars characters: one
+        50 MB line would otherwise be tokenized in one go and held whole downstream."""
+        text = sample[self.column]
+        if self.max_chars is None or len(text) <= self.max_chars:
+            return [sample]
+        log.warning("Tokenize: cut a document of %d characters into pieces of %d (%d documents "
+                    "cut by this process)", len(text), self.max_chars, next(self._cuts))
+        return [{**sample, self.column: text[i:i + self.max_chars]}
+                for i in range(0, len(text), self.max_chars)]
+
     def _work(self, samples):
         for sample in samples:
             if not isinstance(sample.get(self.column), str):
                 raise ValueError(f"Tokenize: a sample has no string field {self.column!r} (keys: "
-                                 f"{sorted(sample)}); Files(..., required_fields=[{self.column!r}])"
-                                 " reports such records with their shard and line")
+                                 f"{sorted(sample)}); Files(..., check=Tokenize.check_record) "
+                                 "reports such records with their shard and line")
+        samples = [piece for sample in samples for piece in self._pieces(sample)]
         ids = self._encode([s[self.column] for s in samples])
         for sample, sample_ids in zip(samples, ids):
             sample["input_ids"] = sample_ids
@@ -972,8 +1008,21 @@ class FormatInstructions(Stage):
     def _encode(self, text):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    @staticmethod
+    def check_record(record):
+        """What FormatInstructions needs of a record: for Files(check=...), which names shard
+        and line."""
+        if "messages" in record:
+            if not isinstance(record["messages"], list) or not record["messages"]:
+                raise ValueError("'messages' must be a non-empty list of {role, content}")
+        elif not isinstance(record.get("instruction"), str) or not isinstance(
+                record.get("output"), str):
+            raise ValueError("an instruction record needs string fields 'instruction' and "
+                             f"'output' (or a list 'messages'); it has {sorted(record)}")
+
     def __next__(self):
         record = next(self.src)
+        self.check_record(record)
         if "messages" in record:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError("FormatInstructions: a record has 'messages' but the tokenizer "
@@ -987,10 +1036,6 @@ class FormatInstructions(Stage):
                 raise ValueError("FormatInstructions: the chat template renders the prompt "
                                  "differently inside the whole conversation; cannot mask it")
         else:
-            if not isinstance(record.get("instruction"), str) or not isinstance(
-                    record.get("output"), str):
-                raise ValueError("FormatInstructions: a record needs string fields 'instruction' "
-                                 f"and 'output' (or 'messages'); it has {sorted(record)}")
             template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
             text = template.format(preamble=self.preamble, instruction=record["instruction"],
                                    input=record.get("input", ""))

@@ -59,8 +59,6 @@ FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_p
 def main():
     parser = get_parser()
     args = parser.parse_args()
-    if args.epochs is not None and args.epochs < 1:
-        parser.error("--epochs must be at least 1 (leave it out for endless data)")
     if args.dataset is None:  # the shipped sample data of the task
         args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
     if args.val_dataset is None:
@@ -133,6 +131,10 @@ def main():
     if len(tokenizer) > config.vocab_size:
         sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only "
                  f"{config.vocab_size} embeddings: pick a matching --model-name.")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and args.seq_length > positions:
+        parser.error(f"--seq-length {args.seq_length} is longer than the {positions} positions "
+                     f"of --model-name {args.model_name}")
     if args.init_from_pretrained:
         model = AutoModelForCausalLM.from_pretrained(args.model_name, config=config,
                                                      dtype=torch.float32)
@@ -204,6 +206,10 @@ def main():
         val_pipeline.close()
     if not val_batches:
         sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
+    if len(val_batches) < args.val_batches * max(1, len(domains)):
+        LOGGER.warning(f"--val-dataset holds only {len(val_batches)} batches of the "
+                       f"{args.val_batches * max(1, len(domains))} asked for: validating on those")
+    warn_if_overlapping(args.dataset, args.val_dataset)
 
     # Resume: everything that evolves during training comes back from the checkpoint. Only
     # once it has loaded does a resume forget what a killed run did after it (later metrics,
@@ -262,7 +268,14 @@ def main():
     metrics_file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
     progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps, desc="train",
                          disable=rank != 0)
-    last_log_step = first_step = state["global_step"]
+    last_log_step = last_val_step = first_step = state["global_step"]
+    metrics = {}  # the last step's, for a validation when the data runs out after it
+
+    def validate():
+        val_loss, per_domain = evaluate(model, val_batches, device, autocast, rank, world_size,
+                                        len(domains))
+        return {"val_loss": val_loss,
+                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
     profiler = utils.profiler(args.profile_steps, exp_dir / "profile", rank, device,
                               next_step=state["global_step"] + 1)
 
@@ -279,8 +292,21 @@ def main():
                 # With finite data ranks run out at different steps (their shards differ);
                 # all stop together, or the others would wait forever in the next all-reduce.
                 data_left = utils.all_ranks(data_left, device)
+            if not data_left and step == 1:
+                train_loader.close()
+                sys.exit(f"The data ran out before the first step: --dataset {args.dataset} "
+                         f"holds fewer than the {tokens_per_step:,} tokens of one step "
+                         f"({args.batch_size} x {args.grad_accum} x {world_size} sequences of "
+                         f"{args.seq_length} tokens) per pass (--epochs {args.epochs}). Use "
+                         "more data, more --epochs, or a smaller --batch-size/--seq-length.")
             if not data_left:
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
+                if step - 1 != last_val_step:  # validate the last step, however the run ends
+                    metrics |= validate()
+                    if rank == 0:  # the step's line in metrics.jsonl, now with its val loss
+                        utils.rewrite_last_line(metrics_file, json.dumps(metrics))
+                        wandb.log(metrics, step=step - 1)
+                    LOGGER.info(utils.format_metrics(metrics))
                 state["data_exhausted"] = True
                 if state["checkpoint"] != f"checkpoints/step-{state['global_step']:06d}":
                     save_checkpoint()
@@ -364,13 +390,13 @@ def main():
                     "data_wait": seconds["data"] / step_seconds,
                     "mfu": (flops_per_token * tokens_per_s / world_size / peak_flops
                             if peak_flops else None),
+                    # Bad records skipped so far (--skip-bad-records; rank 0's sources).
+                    "data/skipped": utils.skipped_records(train_loader.state_dict()),
                     **utils.memory_stats(device),
                 }
-            if step % args.val_freq == 0 or step == args.max_steps:
-                val_loss, per_domain = evaluate(model, val_batches, device, autocast, rank,
-                                                world_size, len(domains))
-                metrics["val_loss"] = val_loss
-                metrics |= {f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}
+            if step % args.val_freq == 0 or step == args.max_steps or stopping:
+                metrics |= validate()
+                last_val_step = step
             if rank == 0:
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
@@ -535,7 +561,8 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         pipe = data.Pack(pipe, args.seq_length, pad_id=pad_id)
     else:
-        pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads)
+        pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads,
+                             max_chars=args.max_doc_chars)
         pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
         pipe = data.ConcatChunk(pipe, args.seq_length)
     if train:
@@ -567,9 +594,12 @@ def source(spec, args, rank, world_size, train):
             sys.exit(f"--active-shards {slots} is not a multiple of the world size "
                      f"{world_size}: every rank reads whole slots. Pass a multiple of it "
                      "(and keep it on resume: it shapes the data order).")
+        check = data.FormatInstructions.check_record if args.task == "sft" else \
+            data.Tokenize.check_record  # checked here, where shard and line are known
         make = functools.partial(data.Files, spec, repeat=train, epochs=args.epochs,
                                  shuffle_shards=train, seed=args.seed, rank=rank,
-                                 world_size=world_size, required_fields=required)
+                                 world_size=world_size, required_fields=required, check=check,
+                                 skip_bad_records=args.skip_bad_records)
         try:
             return make(n_active_shards=slots)
         except data.SplitError as e:
@@ -592,6 +622,17 @@ def source(spec, args, rank, world_size, train):
                           shuffle=train and saved, seed=args.seed)
 
 
+def warn_if_overlapping(train_spec, val_spec):
+    """A validation loss measured on training data says nothing: warn if shards are shared."""
+    try:
+        shared = set(data.expand_urls(train_spec)) & set(data.expand_urls(val_spec))
+    except OSError:  # not shards (a Hub name, a save_to_disk directory): nothing to compare
+        return
+    if shared:
+        LOGGER.warning(f"{len(shared)} shard(s) are in both --dataset and --val-dataset (e.g. "
+                       f"{sorted(shared)[0]}): the validation loss will look better than it is")
+
+
 def find_domains(pattern):
     """{domain: its shards}: the directories that the first * of ``pattern`` stands for, so
     "data/sample/*/train-*.jsonl" has the domains code, docstrings, prose and reference."""
@@ -600,6 +641,9 @@ def find_domains(pattern):
         sys.exit(f"--mix/--odm need domains as directories: a --dataset like root/*/shards, "
                  f"not {pattern!r}")
     names = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and any(p.glob(rest)))
+    if not names:
+        sys.exit(f"--mix/--odm: no directory of {root}/ holds files matching {rest!r}, so "
+                 f"{pattern!r} has no domains to mix.")
     return {name: f"{root}/{name}/{rest}" for name in names}
 
 
@@ -608,15 +652,43 @@ def mixture_weights(args):
     names = list(find_domains(args.dataset))
     if not args.mix:
         return names, [1.0] * len(names)
-    try:
-        weights = {name: float(w) for name, w in (item.split("=") for item in args.mix.split(","))}
-    except ValueError:
-        sys.exit(f"--mix {args.mix!r}: expected name=weight,name=weight,...")
+    weights = args.mix  # already checked by parse_mix: finite, >= 0, not all 0, each name once
     unknown = set(weights) - set(names)
     if unknown or len(weights) != len(names):
         sys.exit(f"--mix {args.mix}: give a weight to each domain of {names}; "
                  f"unknown: {sorted(unknown)}")
     return names, [float(weights[name]) for name in names]
+
+
+def parse_mix(text):
+    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
+    weights = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        try:
+            weight = float(value) if equals and name else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
+        weights[name] = weight
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
+    return weights
+
+
+def at_least(low):
+    """An argparse type: an int >= low (0 steps or 0 sequences mean nothing)."""
+    def parse(text):
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
 
 
 def forward(model, batch, device):
@@ -696,46 +768,53 @@ def get_parser():
         help="resume from this kept checkpoint (e.g. step-000400) instead of the newest one: a "
              "rollback; the steps logged after it are discarded once it has loaded")
     add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
-    add("--max-steps", type=int, default=600,
+    add("--max-steps", type=at_least(1), default=600,
         help="optimizer steps to train for (may be raised on resume)")
     add("--lr", type=float, default=4e-3, help="peak learning rate, reached after warmup")
-    add("--warmup-steps", type=int, default=60, help="steps of linear learning-rate warmup")
+    add("--warmup-steps", type=at_least(0), default=60, help="steps of linear learning-rate warmup")
     add("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
     add("--grad-clip", type=float, default=1.0,
         help="clip the global gradient norm to this (inf: never)")
-    add("-b", "--batch-size", type=int, default=8, help="sequences per micro-batch (per rank)")
-    add("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    add("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
-    add("--shuffle-buffer", type=int, default=1000, help="sequences in the shuffle buffer (1: off)")
-    add("--active-shards", type=int, default=8,
+    add("-b", "--batch-size", type=at_least(1), default=8,
+        help="sequences per micro-batch (per rank)")
+    add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
+    add("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
+    add("--shuffle-buffer", type=at_least(1), default=1000,
+        help="sequences in the shuffle buffer (1: off)")
+    add("--active-shards", type=at_least(1), default=8,
         help="slots: input splits (shards, or pieces of them) read at a time, round-robin; a "
              "multiple of the number of ranks")
-    add("--epochs", type=int, default=None,
+    add("--epochs", type=at_least(1), default=None,
         help="stop after this many passes over --dataset (default: endless; see --max-steps)")
-    add("--log-freq", type=int, default=10, help="print throughput, memory and MFU every N steps")
-    add("--ckpt-freq", type=int, default=200, help="save a checkpoint every N steps")
-    add("--keep-checkpoints", type=int, default=2,
+    add("--log-freq", type=at_least(1), default=10,
+        help="print throughput, memory and MFU every N steps")
+    add("--ckpt-freq", type=at_least(1), default=200, help="save a checkpoint every N steps")
+    add("--keep-checkpoints", type=at_least(0), default=2,
         help="how many newest checkpoints to keep (0: all)")
-    add("--val-freq", type=int, default=200, help="compute the validation loss every N steps")
-    add("--val-batches", type=int, default=16, help="batches of --val-dataset to validate on")
+    add("--val-freq", type=at_least(1), default=200,
+        help="compute the validation loss every N steps")
+    add("--val-batches", type=at_least(1), default=16,
+        help="batches of --val-dataset to validate on")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline",
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
     add("--compile", action="store_true", help="torch.compile the model")
-    add("--gc-freq", type=int, default=50, help="run Python's garbage collector every N steps")
+    add("--gc-freq", type=at_least(1), default=50,
+        help="run Python's garbage collector every N steps")
     add("--profile-steps", default=None, metavar="FIRST,LAST",
         help="write a torch.profiler trace of steps FIRST to LAST into SAVE_DIR/NAME/profile")
-    add("--tokenizer-threads", type=int, default=2, help="threads tokenizing in the background")
+    add("--tokenizer-threads", type=at_least(1), default=2,
+        help="threads tokenizing in the background")
     add("--fsdp", action="store_true",
         help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
-    add("--mix", default=None, metavar="NAME=W,...",
+    add("--mix", default=None, metavar="NAME=W,...", type=parse_mix,
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights, e.g. code=0.4,docstrings=0.3,prose=0.2,reference=0.1")
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
         help="Online Data Mixing: move the mixture toward domains whose loss stays high")
-    add("--odm-warmup-steps", type=int, default=50,
+    add("--odm-warmup-steps", type=at_least(0), default=50,
         help="steps with the initial weights before ODM starts to adapt")
     add("--odm-alpha", type=float, default=0.9, help="smoothing of ODM's per-domain rewards")
     add("--deterministic", action="store_true",
@@ -743,8 +822,26 @@ def get_parser():
              "without a deterministic version warns)")
     add("--device", default=None,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    add("--skip-bad-records", action="store_true",
+        help="skip (count and log) records that are malformed or lack a field, instead of "
+             "stopping at the first one")
+    add("--max-doc-chars", type=at_least(1), default=100_000,
+        help="cut longer documents into pieces of this many characters before tokenizing, so "
+             "one huge document cannot blow up memory or the loader state")
+    add("--debug", action="store_true",
+        help="show the traceback of an expected failure (bad data, a missing file, a full disk)")
     return parser
 
 
+# Failures a user can mend (bad data, a missing or unreadable file, a full disk) end in one
+# paragraph; anything else is a bug and keeps its traceback.
+EXPECTED = (data.DataError, OSError)
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except EXPECTED as e:
+        if "--debug" in sys.argv[1:]:
+            raise
+        sys.exit(f"{type(e).__name__}: {e}\n(Stopped; the last checkpoint is untouched. "
+                 "--debug shows where this came from.)")

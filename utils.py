@@ -421,6 +421,28 @@ def discard_after(exp_dir, step):
         write_atomic(metrics, "".join(kept))
 
 
+def skipped_records(loader_state):
+    """Bad records skipped so far (Files' "skipped"), summed over a pipeline's sources."""
+    if isinstance(loader_state, list):  # Mix: one state per domain
+        return sum(map(skipped_records, loader_state))
+    if not isinstance(loader_state, dict):
+        return 0
+    return loader_state.get("skipped", 0) + skipped_records(loader_state.get("upstream"))
+
+
+def rewrite_last_line(f, line):
+    """Replace the last line of a text file open for appending (metrics.jsonl)."""
+    f.flush()
+    with open(f.name, "rb+") as g:
+        size = g.seek(0, os.SEEK_END)
+        g.seek(max(0, size - (1 << 16)))
+        tail = g.read()
+        start = size - len(tail) + tail.rstrip(b"\n").rfind(b"\n") + 1
+        g.seek(start)
+        g.truncate()
+        g.write(line.encode() + b"\n")
+
+
 def source_epoch(loader_state):
     """The epoch (pass over the training shards) that a pipeline's source is in; with several
     domains (Mix), the smallest."""

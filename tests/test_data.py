@@ -101,7 +101,11 @@ def test_expand_urls(tmp_path):
     d = str(tmp_path)
     assert expand_urls(f"{d}/s-{{000..001}}.jsonl") == [f"{d}/s-000.jsonl", f"{d}/s-001.jsonl"]
     assert expand_urls(f"{d}/s-*.jsonl") == [f"{d}/s-00{i}.jsonl" for i in range(3)]
-    assert expand_urls(d) == [f"{d}/s-00{i}.jsonl" for i in range(3)]
+    assert expand_urls(d) == [f"{d}/s-00{i}.jsonl" for i in range(3)]  # not notes.txt
+    (tmp_path / "texts").mkdir()
+    for name in ["b.txt", "a.txt"]:
+        (tmp_path / "texts" / name).write_text("")
+    assert expand_urls(f"{d}/texts") == [f"{d}/texts/a.txt", f"{d}/texts/b.txt"]
     assert expand_urls(["s3://bucket/x-{0..1}.jsonl"]) == ["s3://bucket/x-0.jsonl",
                                                             "s3://bucket/x-1.jsonl"]
     with pytest.raises(FileNotFoundError, match="no files match"):
