@@ -224,10 +224,13 @@ class Files(Stage):
     each in turn, which mixes documents of different splits without a big shuffle buffer. Slot s
     reads positions s, s + S, s + 2S, ... of the sequence of splits, epoch after epoch (with
     ``repeat``: forever, or ``epochs`` passes; each epoch's split order reshuffled with
-    ``shuffle_shards``). There are at least S splits per epoch, so every document comes once per
-    epoch. Fixed sequences let ranks split the work without reading what they throw away: with
-    ``rank=r, world_size=W`` (W dividing S) only the slots s = r (mod W) are read, and the result
-    is exactly ``Stride(Files(...), r, W)`` of the one-rank stream while no slot has run out.
+    ``shuffle_shards``). There are at least S splits per epoch, and a slot that has finished its
+    splits of an epoch waits until the others have too: every document comes exactly once per
+    epoch, and a split of a few long documents does not come round faster than the rest. Fixed
+    sequences let ranks split the work without reading what they throw away: with ``rank=r,
+    world_size=W`` (W dividing S) only the slots s = r (mod W) are read; until its first slot
+    finishes an epoch, that is exactly ``Stride(Files(...), r, W)`` of the one-rank stream (at
+    an epoch's end each rank waits for its own slots only).
 
     A slot's state says where its next record starts: the byte offset in a JSON Lines shard
     (resuming is one seek, a range request over the network), the row group and row of a
@@ -425,6 +428,13 @@ class Files(Stage):
         """A JSON Lines split, from the slot's offset: the lines that start before its end."""
         url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
         with self._open(url) as f:
+            # A local shard's size goes into the state with the first line, and is checked on
+            # every reopen: an offset into a file that has changed since points anywhere.
+            size = os.fstat(f.fileno()).st_size if "://" not in url else None
+            if slot.get("size") not in (None, size):
+                raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
+                                f"bytes then, {size} now. Resuming would read from the wrong "
+                                "places: restore the file, or start a new run on the new data")
             if offset and url.endswith(_COMPRESSED):
                 # Decompression cannot jump: re-read this shard (and only this one) to offset.
                 if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
@@ -438,7 +448,7 @@ class Files(Stage):
                 f.seek(offset)
             while (end is None or offset < end) and (text := f.readline()):
                 offset, line = offset + len(text), line + 1
-                yield text, {"offset": offset, "line": line}
+                yield text, {"offset": offset, "line": line, "size": size}
 
     def _parquet(self, f, url):
         try:
@@ -573,17 +583,13 @@ class Files(Stage):
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
         return None
 
-    def _dead(self, empties):
-        """Would a slot that just met these empty splits in a row loop forever?"""
-        if len(set(empties)) == len(set(self.splits)):
-            return True  # every split is empty
-        # Without shuffle_shards a slot sees a fixed cycle of at most len(splits) splits.
-        return not self.shuffle_shards and len(empties) >= len(self.splits)
-
     def __next__(self):
-        empties = []  # empty splits in a row, all met by the slot whose turn it is
+        first_epoch = self.epoch
         while self.slots:
             self.turn %= len(self.slots)
+            if self.slots[self.turn]["pos"] // len(self.splits) > self.epoch:
+                self.turn += 1  # done with this epoch: it waits until every slot is
+                continue
             record = self._read(self.turn)
             if record is not None:
                 self.turn += 1
@@ -592,20 +598,18 @@ class Files(Stage):
             done = self.slots[self.turn]
             self._files[self.turn].close()
             self._files[self.turn] = None
-            # Blank lines and skipped bad records don't make a split non-empty: records do.
-            split = (done["url"], done["start"], done["end"])
-            empties = [*empties, split] if done["records"] == 0 else []
-            if empties and (self.plan is None or done["end"] is None):  # a whole shard
-                log.warning("shard %s has no records", done["url"])
-            following = None if self._dead(empties) else self._slot(done["pos"] + self.n_slots)
+            if done["records"] == 0 and (self.plan is None or done["end"] is None):
+                log.warning("shard %s has no records", done["url"])  # (a whole shard)
+            following = self._slot(done["pos"] + self.n_slots)
             if following is None:  # this slot has no splits left
                 self.slots.pop(self.turn)
                 self._files.pop(self.turn)
-                empties = []
             else:
                 self.slots[self.turn] = following
             self._arrays = {url: records for url, records in self._arrays.items()
                             if any(slot["url"] == url for slot in self.slots)}
+            if self.epoch > first_epoch + 1:  # a whole epoch without a record: there are none
+                break
         if self.epochs is None:
             rank, world = self.config["rank"], self.config["world_size"]
             whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""

@@ -291,10 +291,21 @@ def _fsync_dir(path):
 
 def _write_file(path, write):
     """Write a file and push it to disk before anyone can rely on it."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        chain = [e]
+        while chain[-1].__context__ is not None:
+            chain.append(chain[-1].__context__)
+        cause = next((c for c in chain if isinstance(c, OSError) or "write" in str(c)), None)
+        if cause is None:  # not a failed write: a bug, which keeps its traceback
+            raise
+        free = shutil.disk_usage(path.parent).free / GiB
+        reason = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(e).__name__
+        raise OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk") from e
 
 
 def write_atomic(path, text):

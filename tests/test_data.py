@@ -66,10 +66,11 @@ def test_files_round_robin_over_active_shards(tmp_path):
     c = write_jsonl(tmp_path / "c.jsonl", [{"text": "c1"}, {"text": "c2"}])
     # Slot 0 reads shards 0, 2 (a, then c), slot 1 reads shard 1 (b) and then has none left.
     assert texts(Files([a, b, c], n_active_shards=2)) == ["a1", "b1", "a2", "a3", "c1", "c2"]
-    # With repeat, slot 1 goes on with shard 3, which is shard 0 (a) of the next epoch.
+    # With repeat, slot 1's next shard is shard 3, which is shard 0 (a) of the next epoch: it
+    # waits until slot 0 has finished epoch 0 (a and c), then both go on (slot 0 with b).
     files = Files([a, b, c], n_active_shards=2, repeat=True)
-    assert [next(files)["text"] for _ in range(8)] == [
-        "a1", "b1", "a2", "a1", "a3", "a2", "c1", "a3"]
+    assert [next(files)["text"] for _ in range(9)] == [
+        "a1", "b1", "a2", "a3", "c1", "c2", "b1", "a1", "a2"]
 
 
 def test_files_repeat_and_shuffled_shard_order(tmp_path):

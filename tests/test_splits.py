@@ -114,8 +114,8 @@ def test_every_document_once_per_epoch_over_all_ranks(files, slots, world_pick, 
 @given(lines=st.lists(st.integers(0, 80), min_size=1, max_size=4), slots=st.integers(1, 8),
        width=st.integers(10, 60))
 def test_few_files_feed_every_slot_and_epochs_do_not_overlap(lines, slots, width, tmp_path_factory):
-    """Equal-length documents: the slots read equal shares, so the endless stream holds no
-    document twice before (nearly) all have come once. (Before splits, one file over 8 slots
+    """Equal-length documents: the slots read equal shares of a few files, and the endless
+    stream is epoch after epoch of every document once. (Before splits, one file over 8 slots
     gave each document 8 times in a row.)"""
     d = tmp_path_factory.mktemp("few")
     urls = []
@@ -133,8 +133,10 @@ def test_few_files_feed_every_slot_and_epochs_do_not_overlap(lines, slots, width
         assert min(per_split) >= lines[0] // slots
     if sum(per_split) == 0:
         return
-    first = [next(files)["doc"] for _ in range(slots * min(per_split))]
-    assert len(set(first)) == len(first)  # every slot in its first epoch, none in the next
+    for epoch in range(3):  # each epoch of the endless stream is every document, once
+        docs = [next(files)["doc"] for _ in range(sum(lines))]
+        assert sorted(docs) == sorted(f"{i}-{j:05d}" for i, n in enumerate(lines)
+                                      for j in range(n)), epoch
     files.close()
 
 

@@ -1,0 +1,227 @@
+"""Faults and bad input through the CLI: nothing a run wrote is lost, and every refusal is one
+clear paragraph (exit code, the key words of the message, no traceback).
+
+Each case runs train_llm.py as a user would, as a subprocess, on the one-layer model.
+"""
+
+import hashlib
+import json
+import resource
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import ENV, ROOT, global_step, metrics, train, train_args
+
+import train_llm
+
+
+def snapshot(directory):
+    """{relative path: sha256} of every file under a directory."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def refused(result, *words):
+    """A non-zero exit whose message holds these words, and no traceback."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr[-2000:])
+
+
+def jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory, tiny_model):
+    """A run of 10 steps with checkpoints at 5 and 10, kept, to copy and break."""
+    save_dir = tmp_path_factory.mktemp("ten")
+    result = train(train_args(save_dir, tiny_model, name="k", max_steps=10, ckpt_freq=5,
+                              val_freq=5, keep_checkpoints=0))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "k"
+
+
+def copy_run(run, tmp_path):
+    subprocess.run(["cp", "-r", str(run), str(tmp_path / "k")], check=True)
+    return tmp_path / "k"
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_a_lost_state_json_resumes_from_the_newest_checkpoint_and_deletes_nothing(
+        ten_steps, tmp_path, tiny_model, damage):
+    exp = copy_run(ten_steps, tmp_path)
+    if damage == "missing":
+        (exp / "state.json").unlink()
+    else:
+        (exp / "state.json").write_text('{"global_step": 1')
+    before = snapshot(exp / "checkpoints")
+    # The scenario that used to delete every checkpoint: a rerun with a smaller --max-steps.
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=3, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    assert "the newest complete checkpoint" in result.stderr and "is done" in result.stderr
+    assert snapshot(exp / "checkpoints") == before
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    assert "Resuming" in result.stderr and "step 10 of 12" in result.stderr
+    assert global_step(exp) == 12 and [r["step"] for r in metrics(exp)] == list(range(1, 13))
+
+
+def test_resume_from_rolls_back_and_trains_the_same_steps_again(ten_steps, tmp_path, tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    final = torch.load(exp / "checkpoints/step-000010/model.pt", weights_only=True)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10, ckpt_freq=5,
+                              resume_from="step-000005", keep_checkpoints=0))
+    assert result.returncode == 0, result.stderr
+    assert "as --resume-from asks" in result.stderr
+    again = torch.load(exp / "checkpoints/step-000010/model.pt", weights_only=True)
+    assert all(torch.equal(final[k], again[k]) for k in final)  # the same steps, bit for bit
+    assert [r["step"] for r in metrics(exp)] == list(range(1, 11))  # each step logged once
+    result = train(train_args(tmp_path, tiny_model, name="k", resume_from="step-000007"))
+    refused(result, "--resume-from step-000007: no complete checkpoint",
+            "step-000005, step-000010")
+
+
+@pytest.mark.parametrize("damage", ["truncated model.pt", "directory gone"])
+def test_a_damaged_checkpoint_is_one_paragraph_with_the_way_on(ten_steps, tmp_path, tiny_model,
+                                                               damage):
+    exp = copy_run(ten_steps, tmp_path)
+    model = exp / "checkpoints/step-000010/model.pt"
+    if damage == "directory gone":
+        subprocess.run(["rm", "-r", str(model.parent)], check=True)
+    else:
+        model.write_bytes(model.read_bytes()[:1000])
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=15, ckpt_freq=5))
+    refused(result, f"The checkpoint {exp}/checkpoints/step-000010 is damaged: {model} does "
+            "not load", f"The previous checkpoint {exp}/checkpoints/step-000005 is complete",
+            "--resume-from step-000005")
+    assert snapshot(exp) == before  # nothing written, nothing deleted
+    command = result.stderr.strip().splitlines()[-1].strip()
+    assert command.startswith("python train_llm.py ")
+    again = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert global_step(exp) == 15
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ckpt-freq", "0"], "--ckpt-freq: must be at least 1"),
+    (["--val-freq", "0"], "--val-freq: must be at least 1"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1"),
+    (["--seq-length", "1"], "--seq-length: must be at least 2"),
+    (["--mix", "code=-1,docstrings=1,prose=1,reference=1"], "code=-1: a weight is a finite"),
+    (["--mix", "code=1,code=2"], "'code' is given twice"),
+    (["--mix", "code=0,docstrings=0"], "every weight is 0"),
+    (["--mix", "code=inf"], "code=inf: a weight is a finite"),
+    (["--mix", "code"], "expected name=weight"),
+])
+def test_flags_are_checked_when_parsed(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_llm.get_parser().parse_args(["-e", "x", *argv])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
+    def run(*flags, **overrides):
+        name = f"r{len(list(tmp_path.iterdir()))}"
+        return train([*train_args(tmp_path, tiny_model, name=name, **{"max_steps": 4,
+                                                                      **overrides}), *flags])
+
+    refused(run(seq_length=1024), "--seq-length 1024 is longer than the 64 positions")
+    refused(run(dataset=str(tmp_path / "nothing-*.jsonl")), "no files match")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused(run(dataset=str(empty)), "hold no records")
+    bad = jsonl(tmp_path / "bad.jsonl", [{"text": "fine " * 30}] * 5 + [{"text": 42}])
+    refused(run(dataset=bad, shuffle_buffer=1), f"shard {bad}, line 6: bad record",
+            "field 'text' is int", "--skip-bad-records")
+    result = run("--skip-bad-records", dataset=bad, shuffle_buffer=1, max_steps=2, log_freq=1)
+    assert result.returncode == 0, result.stderr
+    assert "skipped (1 so far)" in result.stderr
+    sft = jsonl(tmp_path / "sft.jsonl", [{"instruction": "a", "output": "b"}] * 3
+                + [{"instruction": "no answer"}])
+    refused(run(task="sft", dataset=sft, val_dataset=sft), f"shard {sft}, line 4",
+            "needs string fields 'instruction' and 'output'")
+    refused(run(odm="exp3", dataset="data/sample/*/nothing-*.jsonl"), "has no domains to mix")
+    (tmp_path / "not-a-dir").write_text("")
+    refused(train(train_args(tmp_path / "not-a-dir", tiny_model)), "not-a-dir")
+
+
+def test_a_txt_dataset_trains(tmp_path, tiny_model):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"part-{i}.txt").write_text("".join(f"line {j} of part {i} in plain text.\n"
+                                                     for j in range(200)))
+    result = train(train_args(tmp_path, tiny_model, dataset=str(texts), val_dataset=str(texts),
+                              max_steps=3))
+    assert result.returncode == 0, result.stderr
+    assert "in both --dataset and --val-dataset" in result.stderr  # the overlap is flagged
+
+
+def test_a_full_disk_while_saving_names_the_file_and_keeps_the_last_checkpoint(
+        ten_steps, tmp_path, tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    before = snapshot(exp / "checkpoints")
+    limit = (exp / "checkpoints/step-000010/model.pt").stat().st_size // 2
+
+    def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(
+        [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
+                                                     max_steps=15, ckpt_freq=5)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+    refused(result, "model.pt failed", "GiB free on that disk", "last checkpoint is untouched")
+    assert json.loads((exp / "state.json").read_text())["checkpoint"] == "checkpoints/step-000010"
+    assert {k: v for k, v in snapshot(exp / "checkpoints").items() if ".tmp" not in k} == before
+
+
+def test_no_quiet_oddities(tmp_path, tiny_model):
+    small = jsonl(tmp_path / "small.jsonl", [{"text": "a b c"}] * 3)
+    refused(train(train_args(tmp_path, tiny_model, name="tiny", dataset=small, epochs=1)),
+            "The data ran out before the first step", "holds fewer than the 128 tokens")
+    assert not (tmp_path / "tiny/state.json").exists()
+
+    docs = jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i} " + "word " * 40}
+                                           for i in range(60)])
+    result = train(train_args(tmp_path, tiny_model, name="epochs", dataset=docs, epochs=1,
+                              max_steps=1000, val_freq=1000, val_batches=100, val_dataset=docs))
+    assert result.returncode == 0, result.stderr
+    assert "holds only" in result.stderr and "batches of the 100 asked for" in result.stderr
+    rows = metrics(tmp_path / "epochs")
+    assert "val_loss" in rows[-1] and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+    # A shard edited after the run read it is refused on resume, not read at wrong offsets.
+    result = train(train_args(tmp_path, tiny_model, name="edit", dataset=docs, max_steps=4,
+                              ckpt_freq=2))
+    assert result.returncode == 0, result.stderr
+    with open(docs, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    refused(train(train_args(tmp_path, tiny_model, name="edit", dataset=docs, max_steps=6,
+                             ckpt_freq=2)), "split_plan")
+
+
+def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
+    """A 50 MB line among 20,000 normal ones: cut into pieces before tokenizing, so the first
+    steps come soon, memory stays low and the loader state small."""
+    path = tmp_path / "huge.jsonl"
+    with open(path, "w") as f:
+        f.write(json.dumps({"text": "lorem ipsum dolor sit amet " * 1_900_000}) + "\n")
+        for i in range(20_000):
+            f.write(json.dumps({"text": f"a normal document, number {i}."}) + "\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = train(train_args(tmp_path, tiny_model, name="huge", dataset=str(path),
+                              max_steps=3, ckpt_freq=3, val_batches=1), timeout=60)
+    assert result.returncode == 0, result.stderr
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert before / 2**20 < 3 and peak_gib < 3, f"peak RSS {peak_gib:.2f} GiB"
+    assert "cut a document of 51300000 characters" in result.stderr
+    loader = tmp_path / "huge/checkpoints/step-000003/loader-rank0.json"
+    assert loader.stat().st_size < 5 * 2**20
