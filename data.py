@@ -79,7 +79,7 @@ class Stage:
     def _check_config(self, saved, ignore=()):
         for key in sorted(set(saved) | set(self.config)):
             if key not in ignore and saved.get(key) != self.config.get(key):
-                raise ValueError(
+                raise ConfigMismatch(
                     f"{type(self).__name__}: the saved state was made with {key}="
                     f"{saved.get(key)!r}, but this pipeline has {key}={self.config.get(key)!r}. "
                     "Resume with the arguments of the run that saved it.")
@@ -107,6 +107,10 @@ _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet":
 
 class DataError(ValueError):
     """Bad input: the message names the shard (or dataset) and where in it."""
+
+
+class ConfigMismatch(ValueError):
+    """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
 
 
 def shard_format(url):
@@ -296,6 +300,7 @@ class Files(Stage):
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
+        self._reach = None  # the splits this rank can be given (endless streams; see __next__)
 
     # -- splits ----------------------------------------------------------------------------
 
@@ -583,11 +588,21 @@ class Files(Stage):
                 log.warning("skipped (%d so far): %s", self.skipped, msg)
         return None
 
+    def _reachable(self):
+        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
+        else the fixed cycle of positions s, s + S, ... of its slots."""
+        n = len(self.splits)
+        if self.shuffle_shards:
+            return set(self.splits)
+        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
+                for slot in self.slots for k in range(n)}
+
     def __next__(self):
-        first_epoch = self.epoch
+        empties = set()  # splits met empty since the last record: all of them means none
+        current = self.epoch
         while self.slots:
             self.turn %= len(self.slots)
-            if self.slots[self.turn]["pos"] // len(self.splits) > self.epoch:
+            if self.slots[self.turn]["pos"] // len(self.splits) > current:
                 self.turn += 1  # done with this epoch: it waits until every slot is
                 continue
             record = self._read(self.turn)
@@ -598,8 +613,10 @@ class Files(Stage):
             done = self.slots[self.turn]
             self._files[self.turn].close()
             self._files[self.turn] = None
-            if done["records"] == 0 and (self.plan is None or done["end"] is None):
-                log.warning("shard %s has no records", done["url"])  # (a whole shard)
+            if done["records"] == 0:
+                empties.add((done["url"], done["start"], done["end"]))
+                if self.plan is None or done["end"] is None:  # a whole shard
+                    log.warning("shard %s has no records", done["url"])
             following = self._slot(done["pos"] + self.n_slots)
             if following is None:  # this slot has no splits left
                 self.slots.pop(self.turn)
@@ -608,8 +625,11 @@ class Files(Stage):
                 self.slots[self.turn] = following
             self._arrays = {url: records for url, records in self._arrays.items()
                             if any(slot["url"] == url for slot in self.slots)}
-            if self.epoch > first_epoch + 1:  # a whole epoch without a record: there are none
-                break
+            current = self.epoch
+            if self.epochs is None and empties:
+                self._reach = self._reach or self._reachable()
+                if empties >= self._reach:
+                    break  # endless, and every split this rank can read is empty
         if self.epochs is None:
             rank, world = self.config["rank"], self.config["world_size"]
             whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
@@ -629,6 +649,7 @@ class Files(Stage):
         self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
                       for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
+        self._reach = None
 
     def close(self):
         for f in self._files:
@@ -636,17 +657,22 @@ class Files(Stage):
                 f.close()
         self._files = [None] * len(self.slots)
 
-    def advanced(self, state, n):
+    def advanced(self, state, n, pieces=None):
         """The state ``n`` records after ``state``, which any rank of any world size may have
-        saved: resharding uses it to find where a rank's consumer really was."""
+        saved: resharding uses it to find where a rank's consumer really was. With
+        ``pieces(record)`` (Tokenize cuts long records), ``n`` counts pieces; a state that
+        ends inside a record cannot be moved to another rank and is refused."""
         other = copy.copy(self)  # same shards and seed; slots and files of its own below
         other.config = {**self.config, "rank": state["config"]["rank"],
                         "world_size": state["config"]["world_size"]}
         other._files = []
         other.load_state_dict(state)  # also checks that the other arguments are ours
         try:
-            for _ in range(n):
-                next(other)
+            while n > 0:
+                n -= pieces(next(other)) if pieces else 1
+            if n < 0:
+                raise ValueError("a rank stopped inside a document that Tokenize had cut into "
+                                 "pieces (max_chars); resume on the same number of ranks")
             return other.state_dict()
         finally:
             other.close()
@@ -919,16 +945,35 @@ class Tokenize(Stage):
             raise ValueError(f"field {column!r} is {type(record.get(column)).__name__}, not a "
                              f"string (keys: {sorted(record)})")
 
+    def n_pieces(self, record):
+        """How many pieces _pieces cuts a record into."""
+        return len(self._cut_points(record[self.column])) - 1
+
+    def _cut_points(self, text):
+        """Where a document is cut: every max_chars characters at most, at the last blank of
+        the piece's second half when there is one, so that words stay whole."""
+        points, n = [0], self.max_chars
+        while n is not None and len(text) - points[-1] > n:
+            end = points[-1] + n
+            blank = max(text.rfind(" ", end - n // 2, end), text.rfind("\n", end - n // 2, end))
+            points.append(blank + 1 if blank > 0 else end)
+        return points + [len(text)]
+
     def _pieces(self, sample):
-        """A document longer than max_chars, cut into pieces of max_chars characters: one
-        50 MB line would otherwise be tokenized in one go and held whole downstream."""
+        """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
+        be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
+        EnsureBosEos that only the first piece begins a document and the last ends it."""
         text = sample[self.column]
-        if self.max_chars is None or len(text) <= self.max_chars:
+        points = self._cut_points(text)
+        if len(points) == 2:
             return [sample]
-        log.warning("Tokenize: cut a document of %d characters into pieces of %d (%d documents "
-                    "cut by this process)", len(text), self.max_chars, next(self._cuts))
-        return [{**sample, self.column: text[i:i + self.max_chars]}
-                for i in range(0, len(text), self.max_chars)]
+        count = next(self._cuts)
+        if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
+            log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
+                        "%d (%d documents cut by this process so far)", len(text),
+                        len(points) - 1, self.max_chars, count)
+        return [{**sample, self.column: text[a:b], "piece": [i, len(points) - 1]}
+                for i, (a, b) in enumerate(zip(points, points[1:]))]
 
     def _work(self, samples):
         for sample in samples:
@@ -1064,9 +1109,11 @@ class EnsureBosEos(Stage):
     def __next__(self):
         sample = next(self.src)
         ids = sample["input_ids"]
-        if self.bos is not None and self.bos != self.eos and (not ids or ids[0] != self.bos):
+        piece, pieces = sample.get("piece", (0, 1))  # a long document cut by Tokenize
+        if self.bos is not None and self.bos != self.eos and (not ids or ids[0] != self.bos) \
+                and piece == 0:
             ids = [self.bos] + ids
-        if self.eos is not None and (not ids or ids[-1] != self.eos):
+        if self.eos is not None and (not ids or ids[-1] != self.eos) and piece == pieces - 1:
             ids = ids + [self.eos]
         sample["input_ids"] = ids
         return sample
@@ -1549,7 +1596,8 @@ def reshard(pipeline, states):
             if not isinstance(stage.src, Files):
                 raise ValueError("reshard: Tokenize must read straight from Files")
             report["documents_reread"] += sum(o["skip"] for o in olds)
-            advanced = [stage.src.advanced(o["upstream"], o["skip"]) for o in olds]
+            advanced = [stage.src.advanced(o["upstream"], o["skip"], stage.n_pieces)
+                        for o in olds]
             return {"config": stage.config, "upstream": merge(stage.src, advanced), "skip": 0}
         if isinstance(stage, Files):
             slots = {s["pos"] % stage.n_slots: s for o in olds for s in o["slots"]}

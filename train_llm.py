@@ -206,10 +206,11 @@ def main():
         val_pipeline.close()
     if not val_batches:
         sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
-    if len(val_batches) < args.val_batches * max(1, len(domains)):
+    if len(val_batches) < args.val_batches * max(1, len(domains)) and rank == 0:
         LOGGER.warning(f"--val-dataset holds only {len(val_batches)} batches of the "
                        f"{args.val_batches * max(1, len(domains))} asked for: validating on those")
-    warn_if_overlapping(args.dataset, args.val_dataset)
+    if rank == 0:
+        warn_if_overlapping(args.dataset, args.val_dataset)
 
     # Resume: everything that evolves during training comes back from the checkpoint. Only
     # once it has loaded does a resume forget what a killed run did after it (later metrics,
@@ -219,6 +220,8 @@ def main():
                         args.fsdp, device, rank, world_size)
     if rank == 0:
         utils.discard_after(exp_dir, state["global_step"])
+        if args.resume_from:  # state.json must not name a checkpoint that was just discarded
+            utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
     state["world_size"] = world_size
 
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
@@ -507,6 +510,11 @@ def load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, t
         if not (ckpt_dir / name).exists():  # a new rank after a resharding: rank 0's states
             name = "rng-rank0.pt"
         utils.set_rng_state(utils.load(ckpt_dir / name, "cpu"))
+    except data.ConfigMismatch as e:  # not damage: a flag that shapes the data differs
+        sys.exit(f"Cannot resume from {ckpt_dir}: its loader state was made with other data "
+                 f"arguments. {e} (In train_llm.py flags: max_chars is --max-doc-chars, 0 for "
+                 "None; n_active_shards is --active-shards; urls and split_plan come from "
+                 "--dataset and the files it names.)")
     except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
         sys.exit(damaged_checkpoint(exp_dir, ckpt_dir, ckpt_dir / name, e))
 
@@ -516,13 +524,16 @@ def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
             "Nothing was changed or deleted.")
-    older = [d for d in utils.complete_checkpoints(exp_dir).values() if d.name < ckpt_dir.name]
+    step = int(ckpt_dir.name.removeprefix("step-"))
+    older = [d for s, d in sorted(utils.complete_checkpoints(exp_dir).items()) if s < step]
     if not older:
         return text + " No older complete checkpoint is left: start a new --experiment-name."
     argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
             and sys.argv[i - 1] != "--resume-from"]
-    command = shlex.join(["python", "train_llm.py", *argv, "--resume-from", max(older).name])
-    return (text + f" The previous checkpoint {max(older)} is complete; resume from it (this "
+    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
+        if "LOCAL_RANK" in os.environ else ["python"]
+    command = shlex.join([*launcher, "train_llm.py", *argv, "--resume-from", older[-1].name])
+    return (text + f" The previous checkpoint {older[-1]} is complete; resume from it (this "
             f"discards what was logged after it) with:\n  {command}")
 
 
@@ -562,7 +573,7 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
         pipe = data.Pack(pipe, args.seq_length, pad_id=pad_id)
     else:
         pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads,
-                             max_chars=args.max_doc_chars)
+                             max_chars=args.max_doc_chars or None)
         pipe = data.EnsureBosEos(pipe, tokenizer)  # so documents stay separable once concatenated
         pipe = data.ConcatChunk(pipe, args.seq_length)
     if train:
@@ -625,9 +636,12 @@ def source(spec, args, rank, world_size, train):
 def warn_if_overlapping(train_spec, val_spec):
     """A validation loss measured on training data says nothing: warn if shards are shared."""
     try:
-        shared = set(data.expand_urls(train_spec)) & set(data.expand_urls(val_spec))
-    except OSError:  # not shards (a Hub name, a save_to_disk directory): nothing to compare
+        train_urls, val_urls = data.expand_urls(train_spec), data.expand_urls(val_spec)
+    except OSError:  # not shards (a Hub name): nothing to compare
         return
+    if not all(map(data.shard_format, train_urls + val_urls)):
+        return  # a Hub name, or a save_to_disk directory: data.Files does not read them
+    shared = set(train_urls) & set(val_urls)
     if shared:
         LOGGER.warning(f"{len(shared)} shard(s) are in both --dataset and --val-dataset (e.g. "
                        f"{sorted(shared)[0]}): the validation loss will look better than it is")
@@ -652,7 +666,7 @@ def mixture_weights(args):
     names = list(find_domains(args.dataset))
     if not args.mix:
         return names, [1.0] * len(names)
-    weights = args.mix  # already checked by parse_mix: finite, >= 0, not all 0, each name once
+    weights = parse_mix(args.mix)  # (checked when parsed: finite, >= 0, not all 0, once each)
     unknown = set(weights) - set(names)
     if unknown or len(weights) != len(names):
         sys.exit(f"--mix {args.mix}: give a weight to each domain of {names}; "
@@ -681,14 +695,23 @@ def parse_mix(text):
     return weights
 
 
+def checked(parse):
+    """An argparse type that checks a flag with ``parse`` but keeps its text (as given, it is
+    part of the run's fingerprint)."""
+    def check(text):
+        parse(text)
+        return text
+    return check
+
+
 def at_least(low):
     """An argparse type: an int >= low (0 steps or 0 sequences mean nothing)."""
-    def parse(text):
+    def integer(text):
         value = int(text)
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
-    return parse
+    return integer
 
 
 def forward(model, batch, device):
@@ -809,7 +832,7 @@ def get_parser():
         help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
-    add("--mix", default=None, metavar="NAME=W,...", type=parse_mix,
+    add("--mix", default=None, metavar="NAME=W,...", type=checked(parse_mix),
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights, e.g. code=0.4,docstrings=0.3,prose=0.2,reference=0.1")
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
@@ -825,9 +848,10 @@ def get_parser():
     add("--skip-bad-records", action="store_true",
         help="skip (count and log) records that are malformed or lack a field, instead of "
              "stopping at the first one")
-    add("--max-doc-chars", type=at_least(1), default=100_000,
-        help="cut longer documents into pieces of this many characters before tokenizing, so "
-             "one huge document cannot blow up memory or the loader state")
+    add("--max-doc-chars", type=at_least(0), default=100_000,
+        help="cut longer documents into pieces of at most this many characters (at a blank) "
+             "before tokenizing, so one huge document cannot blow up memory or the loader "
+             "state (0: never cut)")
     add("--debug", action="store_true",
         help="show the traceback of an expected failure (bad data, a missing file, a full disk)")
     return parser

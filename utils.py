@@ -382,8 +382,11 @@ def run_state(exp_dir, resume_from=None):
     """
     complete = complete_checkpoints(exp_dir)
     if resume_from:
-        path = Path(resume_from)
-        path = path if (path / "state.json").exists() else exp_dir / "checkpoints" / path.name
+        path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it
+        if Path(resume_from).name != resume_from and \
+                Path(resume_from).resolve() != path.resolve():
+            sys.exit(f"--resume-from {resume_from}: not a checkpoint of {exp_dir}; pass one of "
+                     f"its own (e.g. {path.name}).")
         if not (path / "state.json").exists():
             sys.exit(f"--resume-from {resume_from}: no complete checkpoint there. The complete "
                      f"checkpoints of {exp_dir} are: "
@@ -448,6 +451,9 @@ def rewrite_last_line(f, line):
         size = g.seek(0, os.SEEK_END)
         g.seek(max(0, size - (1 << 16)))
         tail = g.read()
+        if b"\n" not in tail.rstrip(b"\n") and len(tail) < size:  # one line past 64 KiB
+            g.seek(0)
+            tail = g.read()
         start = size - len(tail) + tail.rstrip(b"\n").rfind(b"\n") + 1
         g.seek(start)
         g.truncate()

@@ -164,6 +164,22 @@ def test_tokenize_missing_column(toy):
         list(Tokenize(Sequence([{"content": "a"}]), toy))
 
 
+def test_long_documents_are_cut_into_pieces_of_one_document(toy):
+    """max_chars cuts at a blank; only the first piece gets BOS and only the last EOS."""
+    text = " ".join("abcdefghijklmnopqrstuvwxyz") * 3  # 155 characters
+    pipe = EnsureBosEos(Tokenize(Sequence([{"text": text}, {"text": "z"}]), toy, max_chars=40),
+                        toy)
+    samples = list(pipe)
+    pieces = [s for s in samples if "piece" in s]
+    assert len(pieces) == 4 and all(len(s["text"]) <= 40 for s in pieces)
+    assert "".join(s["text"] for s in pieces) == text and all(
+        s["text"].endswith(" ") for s in pieces[:-1])  # words stay whole
+    ids = [t for s in pieces for t in s["input_ids"]]
+    bos, eos = toy.bos_token_id, toy.eos_token_id
+    assert ids.count(bos) == 1 and ids[0] == bos and ids.count(eos) == 1 and ids[-1] == eos
+    assert samples[-1]["input_ids"] == [bos, toy.convert_tokens_to_ids("z"), eos]
+
+
 def test_ensure_bos_eos(toy):
     docs = [{"input_ids": [3, 4]}, {"input_ids": [0, 3, 1]}, {"input_ids": []}]
     assert [s["input_ids"] for s in EnsureBosEos(Sequence(docs), toy)] == [

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -67,9 +66,10 @@ def write_corpus(directory, sizes, *, words=None, seed=0):
 # ----------------------------------------------------------------------------------------------
 
 def pipeline(urls, rank, world_size, p):
-    args = types.SimpleNamespace(task="pretrain", active_shards=4, epochs=1, seed=p["seed"],
-                                 tokenizer_threads=1,
-                                 seq_length=p["length"], shuffle_buffer=p["shuffle"], batch_size=1)
+    args = train_llm.get_parser().parse_args([
+        "-e", "x", "--active-shards=4", "--epochs=1", f"--seed={p['seed']}",
+        "--tokenizer-threads=1", f"--seq-length={p['length']}",
+        f"--shuffle-buffer={p['shuffle']}", "--batch-size=1"])
     return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world_size, train=True)
 
 
@@ -357,7 +357,7 @@ def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
         assert state["data_exhausted"] and state["global_step"] == 5
         assert state["checkpoint"] == "checkpoints/step-000005"
         assert (tmp_path / f"ckpt{ckpt_freq}/checkpoints/step-000005/model.pt").exists()
-        assert "it is done" in run(args, ranks=2).stderr
+        assert "is done: its data ran out" in run(args, ranks=2).stderr
 
 
 def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):

@@ -127,6 +127,21 @@ def test_flags_are_checked_when_parsed(argv, words, capsys):
     assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_a_checked_mix_keeps_its_text():  # it is part of the fingerprint, as typed
+    mix = "code=0.4,docstrings=0.3,prose=0.2,reference=0.1"
+    assert train_llm.get_parser().parse_args(["-e", "x", "--mix", mix]).mix == mix
+
+
+def test_other_data_arguments_are_not_called_damage(ten_steps, tmp_path, tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=15, ckpt_freq=5,
+                              max_doc_chars=0))
+    refused(result, "Cannot resume from", "other data arguments", "max_chars=100000",
+            "--max-doc-chars")
+    assert "damaged" not in result.stderr and snapshot(exp) == before
+
+
 def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
     def run(*flags, **overrides):
         name = f"r{len(list(tmp_path.iterdir()))}"

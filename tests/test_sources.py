@@ -477,7 +477,7 @@ def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_pat
     proc.wait()
     result = train(args("cut"))
     assert result.returncode == 0, result.stderr
-    assert "Resuming" in result.stderr and "it is done" not in result.stderr
+    assert "Resuming" in result.stderr and "is done" not in result.stderr
     assert ([(r["step"], r["loss"]) for r in metrics(tmp_path / "cut")]
             == [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight")])
     final = "checkpoints/step-000020/model.pt"

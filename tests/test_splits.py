@@ -336,3 +336,48 @@ def test_trainer_sft_on_an_alpaca_json_array(tmp_path, tiny_model):
     assert result.returncode == 0, result.stderr
     state = json.loads((tmp_path / "run/checkpoints/step-000004/loader-rank0.json").read_text())
     assert "alpaca_data.json" in json.dumps(state) and '"index"' in json.dumps(state)
+
+
+def test_an_epoch_with_empty_splits_on_one_rank_does_not_end_the_stream(tmp_path):
+    """One long document and three short ones over 4 slots and 2 ranks: most byte ranges are
+    empty, and with shuffled epochs a rank may draw only empty ones for an epoch. Its stream
+    goes on (endless), or runs all its epochs (finite): together, 50 epochs of each document."""
+    url = write(tmp_path / "one.jsonl", [{"text": "x" * 30_000, "d": 0}]
+                + [{"text": "y", "d": i} for i in range(1, 4)])
+    docs = []
+    for rank in range(2):
+        args = dict(repeat=True, shuffle_shards=True, n_active_shards=4, rank=rank, world_size=2)
+        endless = Files(url, **args)
+        assert len([next(endless) for _ in range(300)]) == 300
+        docs += [r["d"] for r in Files(url, epochs=50, **args)]
+    assert collections.Counter(docs) == {d: 50 for d in range(4)}
+
+
+def test_reshard_moves_cut_documents_only_at_their_end(tmp_path):
+    """Tokenize(max_chars) hands out pieces; a rank that stopped between two documents moves
+    to another world size exactly, one that stopped inside a cut document is refused."""
+    from conftest import toy_tokenizer
+    url = write(tmp_path / "d.jsonl", [{"text": "a b c d e f g h i j k l"}, {"text": "m n"}] * 4)
+    tok = toy_tokenizer()
+
+    def pipe(rank=0, world=1):
+        files = Files(url, n_active_shards=2, rank=rank, world_size=world)
+        return data.Tokenize(files, tok, num_threads=1, batch_size=3, max_chars=10)
+
+    whole = [s["text"] for s in pipe()]
+    assert len(whole) == 16 and "a b c d e " in whole  # cut at a blank, 3 pieces each
+    for cut in range(1, 9):
+        first = pipe()
+        handed = [next(first) for _ in range(cut)]
+        state = json.loads(json.dumps(first.state_dict()))
+        piece, pieces = handed[-1].get("piece", (0, 1))
+        if piece < pieces - 1:  # stopped inside a cut document
+            with pytest.raises(ValueError, match="inside a document that Tokenize had cut"):
+                data.reshard(pipe(0, 2), [state])
+            continue
+        after = []
+        for rank in range(2):
+            resumed = pipe(rank, 2)
+            data.reshard(resumed, [state])
+            after += [s["text"] for s in resumed]
+        assert sorted([s["text"] for s in handed] + after) == sorted(whole)
