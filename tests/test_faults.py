@@ -240,3 +240,33 @@ def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
     assert "cut a document of 51300000 characters" in result.stderr
     loader = tmp_path / "huge/checkpoints/step-000003/loader-rank0.json"
     assert loader.stat().st_size < 5 * 2**20
+
+
+def test_a_crash_at_every_step_of_a_save_resumes_bit_identically(tmp_path, tiny_model):
+    """Die (os._exit, as under SIGKILL) just before each file-system step of the save of step
+    4 (every fsync, the rename, the state.json replace, the keep-k deletion): each rerun finds
+    a complete checkpoint, resumes and ends with the weights of a run that never crashed. (A
+    save that replaced state.json before renaming its directory fails here.)"""
+    flags = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100)
+    assert train(train_args(tmp_path / "straight", tiny_model, **flags)).returncode == 0
+    final = torch.load(tmp_path / "straight/run/checkpoints/step-000006/model.pt",
+                       weights_only=True)
+
+    def crashing(save_dir, at):
+        env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": str(at),
+               "CRASH_COUNT_FILE": str(tmp_path / "count")}
+        return subprocess.run([sys.executable, "tests/crashing_train.py",
+                               *train_args(save_dir, tiny_model, **flags)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    assert crashing(tmp_path / "counting", 0).returncode == 0
+    steps = int((tmp_path / "count").read_text())
+    assert steps >= 10  # 6 files fsynced, rename, directory fsync, replace, keep-k, ...
+    for at in range(1, steps + 1):
+        save_dir = tmp_path / f"crash{at}"
+        assert crashing(save_dir, at).returncode == 137
+        result = train(train_args(save_dir, tiny_model, **flags))
+        assert result.returncode == 0, (at, result.stderr[-2000:])
+        assert "Resuming" in result.stderr, at
+        again = torch.load(save_dir / "run/checkpoints/step-000006/model.pt", weights_only=True)
+        assert all(torch.equal(final[k], again[k]) for k in final), at
