@@ -669,7 +669,8 @@ class Files(Stage):
         other.load_state_dict(state)  # also checks that the other arguments are ours
         try:
             while n > 0:
-                n -= pieces(next(other)) if pieces else 1
+                record = next(other)
+                n -= pieces(record) if pieces else 1
             if n < 0:
                 raise ValueError("a rank stopped inside a document that Tokenize had cut into "
                                  "pieces (max_chars); resume on the same number of ranks")

@@ -4,7 +4,7 @@ fsync (each file written is fsynced), rename, replace and rmtree that the save m
 
     CRASH_STEP=4 CRASH_AT=3 python tests/crashing_train.py --experiment-name ... (train_llm flags)
 
-CRASH_AT=0 dies nowhere and writes the number of steps of that save to CRASH_COUNT_FILE.
+CRASH_AT=0 dies nowhere and writes the steps of that save, by name, to CRASH_COUNT_FILE.
 """
 
 import os
@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 import utils  # noqa: E402
 
 crash_step, crash_at = int(os.environ["CRASH_STEP"]), int(os.environ["CRASH_AT"])
-counted = {"inside": False, "n": 0}
+counted = {"inside": False, "n": 0, "names": []}
 
 
 def counting(module, name):
@@ -27,6 +27,7 @@ def counting(module, name):
     def step(*args, **kwargs):
         if counted["inside"]:
             counted["n"] += 1
+            counted["names"].append(name)
             if counted["n"] == crash_at:
                 os._exit(137)
         return real(*args, **kwargs)
@@ -45,7 +46,7 @@ def save_checkpoint(exp_dir, step, *args, **kwargs):
         return real_save(exp_dir, step, *args, **kwargs)
     finally:
         if counted["inside"] and crash_at == 0:
-            Path(os.environ["CRASH_COUNT_FILE"]).write_text(str(counted["n"]))
+            Path(os.environ["CRASH_COUNT_FILE"]).write_text(",".join(counted["names"]))
         counted["inside"] = False
 
 

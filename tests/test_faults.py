@@ -6,8 +6,10 @@ Each case runs train_llm.py as a user would, as a subprocess, on the one-layer m
 
 import hashlib
 import json
+import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ import torch
 from test_train import ENV, ROOT, global_step, metrics, train, train_args
 
 import train_llm
+import utils
 
 
 def snapshot(directory):
@@ -242,31 +245,84 @@ def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
     assert loader.stat().st_size < 5 * 2**20
 
 
-def test_a_crash_at_every_step_of_a_save_resumes_bit_identically(tmp_path, tiny_model):
-    """Die (os._exit, as under SIGKILL) just before each file-system step of the save of step
-    4 (every fsync, the rename, the state.json replace, the keep-k deletion): each rerun finds
-    a complete checkpoint, resumes and ends with the weights of a run that never crashed. (A
-    save that replaced state.json before renaming its directory fails here.)"""
+class Crash(BaseException):
+    """What the process would die of: nothing after it runs (not even `finally` blocks that
+    catch Exception)."""
+
+
+def crash_before(monkeypatch, at):
+    """Make the at-th file-system step (fsync, rename, replace, rmtree) raise Crash; return
+    the list of steps met."""
+    met = []
+
+    def counted(real, name):
+        def step(*args, **kwargs):
+            met.append(name)
+            if len(met) == at:
+                raise Crash()
+            return real(*args, **kwargs)
+        return step
+
+    for module, name in [(os, "fsync"), (os, "rename"), (os, "replace"), (shutil, "rmtree")]:
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name))
+    return met
+
+
+def save(exp_dir, step):
+    state = {"global_step": step, "config": {}, "checkpoint": None}
+    files = {"model.pt": {"w": torch.full((3,), float(step))}, "loader-rank0.json": {"s": step}}
+    utils.save_checkpoint(exp_dir, step, files, state, keep=1)
+
+
+def test_a_crash_at_every_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, monkeypatch):
+    """Die just before each file-system step of a save (every fsync, the rename, the
+    state.json replace, the keep-k deletion): what a rerun finds is a complete checkpoint, the
+    old one or the new one, with every file whole. (A save that replaced state.json before
+    renaming its directory fails here; so does one that deletes the old checkpoint first.)"""
+    save(tmp_path / "count", 2)
+    met = crash_before(monkeypatch, 0)
+    save(tmp_path / "count", 4)
+    steps = list(met)
+    assert steps.count("fsync") >= 5 and {"rename", "replace", "rmtree"} <= set(steps)
+    for at in range(1, len(steps) + 2):  # before each step, and after the last
+        exp = tmp_path / f"crash{at}"
+        monkeypatch.undo()
+        save(exp, 2)
+        crash_before(monkeypatch, at)
+        try:
+            save(exp, 4)
+        except Crash:
+            pass
+        monkeypatch.undo()
+        state, _ = utils.run_state(exp)
+        ckpt = exp / state["checkpoint"]
+        assert state["global_step"] in (2, 4) and ckpt.name == f"step-{state['global_step']:06d}"
+        assert torch.load(ckpt / "model.pt", weights_only=True)["w"][0] == state["global_step"]
+        assert json.loads((ckpt / "loader-rank0.json").read_text()) == {"s": state["global_step"]}
+        assert json.loads((ckpt / "state.json").read_text())["checkpoint"] == state["checkpoint"]
+
+
+@pytest.mark.parametrize("at", ["rename", "replace"])
+def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_model, at):
+    """The same end to end, as a SIGKILL would leave it (os._exit): just before the rename of
+    step 4's directory (the rerun resumes from step 2) and just before state.json is replaced
+    (it resumes from step 4); the run then ends with the weights of one that never crashed."""
     flags = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100)
     assert train(train_args(tmp_path / "straight", tiny_model, **flags)).returncode == 0
     final = torch.load(tmp_path / "straight/run/checkpoints/step-000006/model.pt",
                        weights_only=True)
-
-    def crashing(save_dir, at):
-        env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": str(at),
-               "CRASH_COUNT_FILE": str(tmp_path / "count")}
-        return subprocess.run([sys.executable, "tests/crashing_train.py",
-                               *train_args(save_dir, tiny_model, **flags)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
-
-    assert crashing(tmp_path / "counting", 0).returncode == 0
-    steps = int((tmp_path / "count").read_text())
-    assert steps >= 10  # 6 files fsynced, rename, directory fsync, replace, keep-k, ...
-    for at in range(1, steps + 1):
-        save_dir = tmp_path / f"crash{at}"
-        assert crashing(save_dir, at).returncode == 137
-        result = train(train_args(save_dir, tiny_model, **flags))
-        assert result.returncode == 0, (at, result.stderr[-2000:])
-        assert "Resuming" in result.stderr, at
-        again = torch.load(save_dir / "run/checkpoints/step-000006/model.pt", weights_only=True)
-        assert all(torch.equal(final[k], again[k]) for k in final), at
+    env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": "0", "CRASH_COUNT_FILE": str(tmp_path / "n")}
+    command = [sys.executable, "tests/crashing_train.py"]
+    subprocess.run([*command, *train_args(tmp_path / "count", tiny_model, **flags)], cwd=ROOT,
+                   env=env, check=True, capture_output=True, timeout=120)
+    steps = (tmp_path / "n").read_text().split(",")
+    env["CRASH_AT"] = str(steps.index(at) + 1)
+    crashed = subprocess.run([*command, *train_args(tmp_path, tiny_model, **flags)], cwd=ROOT,
+                             env=env, capture_output=True, timeout=120)
+    assert crashed.returncode == 137
+    result = train(train_args(tmp_path, tiny_model, **flags))
+    assert result.returncode == 0, result.stderr
+    resumed = "step-000002" if at == "rename" else "step-000004"
+    assert f"Resuming {tmp_path / 'run'} from checkpoints/{resumed}" in result.stderr
+    again = torch.load(tmp_path / "run/checkpoints/step-000006/model.pt", weights_only=True)
+    assert all(torch.equal(final[k], again[k]) for k in final)
