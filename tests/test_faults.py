@@ -302,25 +302,35 @@ def test_a_crash_at_every_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, 
         assert json.loads((ckpt / "state.json").read_text())["checkpoint"] == state["checkpoint"]
 
 
+CRASH_FLAGS = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100)
+
+
+@pytest.fixture(scope="module")
+def uncrashed(tmp_path_factory, tiny_model):
+    """A run that never crashed: its final weights, and the file-system steps of its save of
+    step 4, in order (recorded by tests/crashing_train.py)."""
+    tmp = tmp_path_factory.mktemp("uncrashed")
+    env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": "0", "CRASH_COUNT_FILE": str(tmp / "steps")}
+    subprocess.run([sys.executable, "tests/crashing_train.py",
+                    *train_args(tmp, tiny_model, **CRASH_FLAGS)], cwd=ROOT, env=env,
+                   check=True, capture_output=True, timeout=120)
+    final = torch.load(tmp / "run/checkpoints/step-000006/model.pt", weights_only=True)
+    return final, (tmp / "steps").read_text().split(",")
+
+
 @pytest.mark.parametrize("at", ["rename", "replace"])
-def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_model, at):
+def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_model, uncrashed,
+                                                               at):
     """The same end to end, as a SIGKILL would leave it (os._exit): just before the rename of
     step 4's directory (the rerun resumes from step 2) and just before state.json is replaced
     (it resumes from step 4); the run then ends with the weights of one that never crashed."""
-    flags = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100)
-    assert train(train_args(tmp_path / "straight", tiny_model, **flags)).returncode == 0
-    final = torch.load(tmp_path / "straight/run/checkpoints/step-000006/model.pt",
-                       weights_only=True)
-    env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": "0", "CRASH_COUNT_FILE": str(tmp_path / "n")}
-    command = [sys.executable, "tests/crashing_train.py"]
-    subprocess.run([*command, *train_args(tmp_path / "count", tiny_model, **flags)], cwd=ROOT,
-                   env=env, check=True, capture_output=True, timeout=120)
-    steps = (tmp_path / "n").read_text().split(",")
-    env["CRASH_AT"] = str(steps.index(at) + 1)
-    crashed = subprocess.run([*command, *train_args(tmp_path, tiny_model, **flags)], cwd=ROOT,
+    final, steps = uncrashed
+    env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": str(steps.index(at) + 1)}
+    crashed = subprocess.run([sys.executable, "tests/crashing_train.py",
+                              *train_args(tmp_path, tiny_model, **CRASH_FLAGS)], cwd=ROOT,
                              env=env, capture_output=True, timeout=120)
     assert crashed.returncode == 137
-    result = train(train_args(tmp_path, tiny_model, **flags))
+    result = train(train_args(tmp_path, tiny_model, **CRASH_FLAGS))
     assert result.returncode == 0, result.stderr
     resumed = "step-000002" if at == "rename" else "step-000004"
     assert f"Resuming {tmp_path / 'run'} from checkpoints/{resumed}" in result.stderr
