@@ -301,6 +301,7 @@ class Files(Stage):
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
         self._reach = None  # the splits this rank can be given (endless streams; see __next__)
+        self._reading = self.epoch
 
     # -- splits ----------------------------------------------------------------------------
 
@@ -361,9 +362,11 @@ class Files(Stage):
 
     def _kind(self, url):
         """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
+            return kind
         if self._format(url) in ("parquet", "text"):
-            return self._format(url)
-        if url not in self._kinds:
+            self._kinds[url] = self._format(url)
+        else:
             name = url.split("?")[0]
             for suffix in _COMPRESSED:
                 name = name.removesuffix(suffix)
@@ -451,9 +454,14 @@ class Files(Stage):
                 offset += len(f.readline()) - 1
             elif offset:
                 f.seek(offset)
-            while (end is None or offset < end) and (text := f.readline()):
+            if end is None:
+                end = math.inf
+            if offset < end and (text := f.readline()):  # the first line records the size
                 offset, line = offset + len(text), line + 1
                 yield text, {"offset": offset, "line": line, "size": size}
+                while offset < end and (text := f.readline()):
+                    offset, line = offset + len(text), line + 1
+                    yield text, {"offset": offset, "line": line}
 
     def _parquet(self, f, url):
         try:
@@ -518,6 +526,18 @@ class Files(Stage):
 
     def _fetch(self, i):
         """The next (line or record, where the next starts) of slot i, None at the split's end."""
+        if self._files[i] is not None:  # the common case, without the retries' bookkeeping
+            try:
+                return next(self._files[i], None)
+            except Exception as e:  # the reader is finished: reopen it below, or give up
+                self._files[i] = None
+                url, where = self.slots[i]["url"], self._where(self.slots[i])
+                if isinstance(e, DataError):
+                    raise
+                if not is_transient(e):
+                    raise _permanent(url, where, e) from e
+                log.warning("shard %s, %s: %s: %s; reopening it there", url, where,
+                            type(e).__name__, e)
         self._kind(self.slots[i]["url"])  # known before the retries, which must not nest
 
         def attempt():
@@ -599,7 +619,7 @@ class Files(Stage):
 
     def __next__(self):
         empties = set()  # splits met empty since the last record: all of them means none
-        current = self.epoch
+        current = self._reading  # the epoch this rank reads (self.epoch, kept up to date)
         while self.slots:
             self.turn %= len(self.slots)
             if self.slots[self.turn]["pos"] // len(self.splits) > current:
@@ -625,7 +645,7 @@ class Files(Stage):
                 self.slots[self.turn] = following
             self._arrays = {url: records for url, records in self._arrays.items()
                             if any(slot["url"] == url for slot in self.slots)}
-            current = self.epoch
+            current = self._reading = self.epoch
             if self.epochs is None and empties:
                 self._reach = self._reach or self._reachable()
                 if empties >= self._reach:
@@ -649,7 +669,7 @@ class Files(Stage):
         self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
                       for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
-        self._reach = None
+        self._reach, self._reading = None, self.epoch
 
     def close(self):
         for f in self._files:
