@@ -1003,7 +1003,14 @@ class Tokenize(Stage):
                                  f"{sorted(sample)}); Files(..., check=Tokenize.check_record) "
                                  "reports such records with their shard and line")
         samples = [piece for sample in samples for piece in self._pieces(sample)]
-        ids = self._encode([s[self.column] for s in samples])
+        # Encoded about 1M characters at a time: the tokenizer's own objects for the pieces of
+        # one huge document would take a few GB if all were encoded in one call.
+        ids, group = [], []
+        for sample in samples:
+            group.append(sample[self.column])
+            if sum(map(len, group)) >= 1 << 20 or sample is samples[-1]:
+                ids += self._encode(group)
+                group = []
         for sample, sample_ids in zip(samples, ids):
             sample["input_ids"] = sample_ids
         return samples
