@@ -70,8 +70,11 @@ pipelines = st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 15), min_size=1, max_size=5),
     "suffixes": st.lists(st.sampled_from([".jsonl", ".jsonl", ".jsonl.gz", ".jsonl.zst",
                                           ".parquet"]), min_size=5, max_size=5),
-    "active": st.integers(1, 3),
+    "active": st.integers(1, 4),
+    "world_pick": st.integers(0, 3),  # a world size that divides "active", and a rank of it
+    "rank_pick": st.integers(0, 3),
     "repeat": st.booleans(),
+    "epochs": st.none() | st.integers(1, 3),
     "shuffle_shards": st.booleans(),
     "stride": st.none() | st.tuples(st.integers(0, 2), st.integers(1, 3)),
     "filter": st.booleans(),
@@ -86,9 +89,17 @@ pipelines = st.fixed_dictionaries({
 })
 
 
+def rank_of(p):
+    """(rank, world size) of a random pipeline: W divides the slots."""
+    divisors = [w for w in range(1, p["active"] + 1) if p["active"] % w == 0]
+    world = divisors[p["world_pick"] % len(divisors)]
+    return p["rank_pick"] % world, world
+
+
 def build(urls, p):
-    pipe = Files(urls, repeat=p["repeat"], shuffle_shards=p["shuffle_shards"], seed=p["seed"],
-                 n_active_shards=p["active"])
+    rank, world = rank_of(p)
+    pipe = Files(urls, repeat=p["repeat"], epochs=p["epochs"], shuffle_shards=p["shuffle_shards"],
+                 seed=p["seed"], n_active_shards=p["active"], rank=rank, world_size=world)
     if p["stride"]:
         offset, interval = p["stride"]
         pipe = Stride(pipe, offset % interval, interval)
@@ -190,6 +201,9 @@ def test_random_pipelines_resume_exactly(p, cuts):
             return
         if p["repeat"] and sum(p["sizes"]) == 0:
             return  # an endless stream of empty shards is an error, tested elsewhere
+        if p["repeat"] and p["epochs"] is None and rank_of(p)[1] > 1:
+            # One rank's splits may all be empty (an error when endless): read 2 epochs.
+            p = {**p, "epochs": 2}
         if p["repeat"] and not yields_something(urls, p):
             # Like a Filter that rejects everything, an endless stream whose every document is
             # filtered out or shorter than Chunk's length drops forever: make it finite.

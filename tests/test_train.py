@@ -5,6 +5,7 @@ Python start-up. The reference run trains straight through; the other runs are k
 stopped or broken on purpose and must continue from their checkpoints to the very same bits.
 """
 
+import collections
 import hashlib
 import json
 import os
@@ -94,7 +95,13 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
         # The checkpoint's own copy of the run state names it: a run can resume from it alone.
         own = json.loads((ckpt / "state.json").read_text())
         assert own["checkpoint"] == f"checkpoints/{ckpt.name}"
-    assert list((straight / "profile").glob("rank0-steps3-4.json"))
+    trace = json.loads((straight / "profile/rank0-steps3-4.json").read_text())
+    names = collections.Counter(event.get("name") for event in trace["traceEvents"])
+    # Steps 3 and 4 and no other (the profiler counts the run's first step, 1, as #0), each
+    # with its backward and one optimizer step.
+    assert sorted(n for n in names if n and n.startswith("ProfilerStep")) == [
+        "ProfilerStep#2", "ProfilerStep#3"]
+    assert names["Optimizer.step#AdamW.step"] == 2 and any("Backward" in n for n in names if n)
 
     rows = metrics(straight)
     assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
