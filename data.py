@@ -255,8 +255,8 @@ class Files(Stage):
                  format=None, transport_params=None, retries=8, retry_delay=1.0, rank=0,
                  world_size=1):
         if n_active_shards < 1 or n_active_shards % world_size:
-            raise ValueError(f"n_active_shards={n_active_shards} must be a multiple of "
-                             f"world_size={world_size}, so every rank reads whole slots")
+            raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
+                             f"of world_size={world_size}, so every rank reads whole slots")
         self.urls = expand_urls(urls)
         if format not in (None, "jsonl", "parquet", "text"):
             raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
@@ -502,43 +502,44 @@ class Files(Stage):
         return (self._rows if kind == "parquet" else self._elements if kind == "array"
                 else self._lines)(dict(slot))  # JSON Lines and text: lines
 
-    def _retrying(self, url, where, attempt, reset=None):
-        """attempt(), again after a transient fault (with exponential backoff), at most
-        ``retries`` times. ``reset`` drops a broken reader: the next attempt reopens the shard
-        where the slot is. Other errors fail at once, naming the shard."""
-        for n in range(self.retries + 1):
+    def _after_fault(self, error, url, where, n):
+        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
+        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
+        if isinstance(error, DataError):
+            raise error
+        if not is_transient(error):
+            raise _permanent(url, where, error) from error
+        if n == self.retries:
+            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
+                          f"{where}: {error}") from error
+        delay = min(self.retry_delay * 2 ** n, 60)
+        log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
+                    type(error).__name__, error, n + 1, self.retries, delay)
+        time.sleep(delay)
+
+    def _retrying(self, url, where, attempt, reset=None, first=0):
+        """attempt(), again after each transient fault, up to ``retries`` times in all (the
+        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
+        attempt reopens the shard where the slot is."""
+        for n in range(first, self.retries + 1):
             try:
                 return attempt()
             except Exception as e:
                 if reset is not None:
                     reset()
-                if isinstance(e, DataError):
-                    raise
-                if not is_transient(e):
-                    raise _permanent(url, where, e) from e
-                if n == self.retries:
-                    raise OSError(f"shard {url}: still failing after {self.retries} retries, "
-                                  f"at {where}: {e}") from e
-                delay = min(self.retry_delay * 2 ** n, 60)
-                log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
-                            type(e).__name__, e, n + 1, self.retries, delay)
-                time.sleep(delay)
+                self._after_fault(e, url, where, n)
 
     def _fetch(self, i):
         """The next (line or record, where the next starts) of slot i, None at the split's end."""
-        if self._files[i] is not None:  # the common case, without the retries' bookkeeping
+        url, first = self.slots[i]["url"], 0
+        if self._files[i] is not None:  # the common case: no closures, no retry loop
             try:
                 return next(self._files[i], None)
-            except Exception as e:  # the reader is finished: reopen it below, or give up
+            except Exception as e:  # the reader is finished: give up, or reopen it below
                 self._files[i] = None
-                url, where = self.slots[i]["url"], self._where(self.slots[i])
-                if isinstance(e, DataError):
-                    raise
-                if not is_transient(e):
-                    raise _permanent(url, where, e) from e
-                log.warning("shard %s, %s: %s: %s; reopening it there", url, where,
-                            type(e).__name__, e)
-        self._kind(self.slots[i]["url"])  # known before the retries, which must not nest
+                self._after_fault(e, url, self._where(self.slots[i]), 0)
+                first = 1
+        self._kind(url)  # known before the retries, which must not nest
 
         def attempt():
             if self._files[i] is None:
@@ -547,7 +548,7 @@ class Files(Stage):
 
         def reset():
             self._files[i] = None
-        return self._retrying(self.slots[i]["url"], self._where(self.slots[i]), attempt, reset)
+        return self._retrying(url, self._where(self.slots[i]), attempt, reset, first)
 
     def _where(self, slot):
         """Where a slot is, cheaply: for retry messages."""
@@ -1005,12 +1006,12 @@ class Tokenize(Stage):
         samples = [piece for sample in samples for piece in self._pieces(sample)]
         # Encoded about 1M characters at a time: the tokenizer's own objects for the pieces of
         # one huge document would take a few GB if all were encoded in one call.
-        ids, group = [], []
-        for sample in samples:
-            group.append(sample[self.column])
-            if sum(map(len, group)) >= 1 << 20 or sample is samples[-1]:
-                ids += self._encode(group)
-                group = []
+        ids, start, chars = [], 0, 0
+        for i, sample in enumerate(samples, 1):
+            chars += len(sample[self.column])
+            if chars >= 1 << 20 or i == len(samples):
+                ids += self._encode([s[self.column] for s in samples[start:i]])
+                start, chars = i, 0
         for sample, sample_ids in zip(samples, ids):
             sample["input_ids"] = sample_ids
         return samples

@@ -490,16 +490,13 @@ def load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, t
         name = "lr_scheduler.pt"
         lr_scheduler.load_state_dict(utils.load(ckpt_dir / name, device))
         saved_world = state.get("world_size", 1)
-
-        def loader_state(r):
-            nonlocal name
+        states = []  # the loader state of every rank that saved, or only ours
+        for r in range(saved_world) if saved_world != world_size else [rank]:
             name = f"loader-rank{r}.json"
-            return json.loads((ckpt_dir / name).read_text())
-
+            states.append(json.loads((ckpt_dir / name).read_text()))
         if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
-            train_loader.load_state_dict(loader_state(rank))
+            train_loader.load_state_dict(states[0])
         else:  # another number of ranks: see data.reshard for the guarantee
-            states = [loader_state(r) for r in range(saved_world)]
             try:
                 report = data.reshard(train_loader, states)
             except ValueError as e:
