@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import ENV, ROOT, digest, global_step, metrics, wait_for
+from test_train import ENV, ROOT, digest, global_step, kill_at, metrics, resumed_steps
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import PreTrainedTokenizerFast
@@ -262,24 +262,25 @@ def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(
         "loader-rank0.json", "loader-rank1.json", "state.json"}
 
 
-def kill_until_done(args, exp_dir, log, kills=2):
-    """Start the 2-rank run, SIGKILL torchrun and its ranks at a random moment after each new
-    checkpoint, until it has been killed ``kills`` times; then let it finish."""
+def kill_until_done(args, exp_dir, log, at=(4, 8)):
+    """Start the 2-rank run and SIGKILL torchrun and its ranks once rank 0 has logged each
+    step of ``at``, at a random moment of the next step; then let it finish. Every restart
+    must say it resumes from the last checkpoint before its kill."""
     rng = random.Random(0)
-    for _ in range(kills):
-        resumed_from = global_step(exp_dir)
+    expected = []
+    for step in at:
+        expected.append(global_step(exp_dir))
         with open(log, "ab") as out:
             proc = subprocess.Popen(command(args, 2), cwd=ROOT, env=ENV, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for(lambda: global_step(exp_dir) > resumed_from or proc.poll() is not None,  # noqa: B023
-                     proc, timeout=120)
-            time.sleep(rng.uniform(0, 0.3))
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun; its ranks die with it
-        assert proc.wait() != 0, "finished before it was killed"
+        # torchrun and its ranks share a process group: they die together
+        kill_at(proc, exp_dir, step, rng.uniform(0, 0.02), timeout=120,
+                kill=lambda: os.killpg(proc.pid, signal.SIGKILL))  # noqa: B023
         assert_no_orphans(exp_dir)
-    run(args, ranks=2)
+    expected.append(global_step(exp_dir))
+    result = run(args, ranks=2)
+    assert resumed_steps(log.read_text() + result.stderr) == [s for s in expected if s]
+    assert expected[-1] > 0
 
 
 def assert_no_orphans(exp_dir, timeout=30):
@@ -366,7 +367,7 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(args_for(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
     kill_until_done(args_for(tmp_path, tiny_model, corpus, name="killed", fsdp=True, ckpt_freq=3),
-                    killed, tmp_path / "log.txt", kills=1)
+                    killed, tmp_path / "log.txt", at=(5,))
     weights = []
     for exp_dir in (straight, killed):
         ckpt = exp_dir / f"checkpoints/step-{STEPS:06d}"

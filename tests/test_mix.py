@@ -128,7 +128,7 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
     it; the restarted run ends with the very weights, loader state and probability
     trajectory of an uninterrupted one, and the probabilities did move."""
     import torch
-    from test_train import digest, global_step, metrics, start, train, train_args, wait_for
+    from test_train import digest, kill_at, metrics, resumed_steps, start, train, train_args
 
     def args(name):
         return train_args(tmp_path, tiny_model, name=name, odm="exp3", odm_warmup_steps=12,
@@ -137,15 +137,11 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
     result = train(args("straight"))
     assert result.returncode == 0, result.stderr
     killed = tmp_path / "killed"
-    for at_least in (5, 15):  # a checkpoint inside the warm-up, then one after it
-        proc = start(args("killed"), tmp_path / "log.txt")
-        try:
-            wait_for(lambda: global_step(killed) >= at_least, proc)  # noqa: B023
-        finally:
-            proc.kill()
-        proc.wait()
+    for at in (8, 17):  # resumes from a checkpoint inside the warm-up, then one after it
+        kill_at(start(args("killed"), tmp_path / "log.txt"), killed, at)
     result = train(args("killed"))
     assert result.returncode == 0, result.stderr
+    assert resumed_steps((tmp_path / "log.txt").read_text() + result.stderr) == [5, 15]
 
     straight = tmp_path / "straight"
     final = "checkpoints/step-000030"

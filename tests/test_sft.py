@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_resume import run_with_cuts
-from test_train import ROOT, global_step, metrics, start, train, wait_for
+from test_train import ROOT, kill_at, metrics, resumed_steps, start, train
 from transformers import AutoTokenizer
 
 import data
@@ -111,15 +111,10 @@ def test_sft_demo_trains_and_resumes_exactly(tiny_model, tmp_path):
     result = train(args("straight"))
     assert result.returncode == 0, result.stderr
     killed = tmp_path / "killed"
-    proc = start(args("killed"), tmp_path / "log.txt")
-    try:
-        wait_for(lambda: global_step(killed) >= 10, proc)
-    finally:
-        proc.kill()
-    proc.wait()
+    kill_at(start(args("killed"), tmp_path / "log.txt"), killed, 13)
     result = train(args("killed"))
     assert result.returncode == 0, result.stderr
-    assert "Resuming" in result.stderr
+    assert resumed_steps(result.stderr) == [10]
 
     rows = metrics(tmp_path / "straight")
     first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5

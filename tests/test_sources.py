@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from moto.server import ThreadedMotoServer
 from test_resume import run_with_cuts
-from test_train import ROOT, global_step, metrics, start, train, train_args, wait_for
+from test_train import ROOT, kill_at, metrics, resumed_steps, start, train, train_args
 
 import data
 import train_llm
@@ -470,15 +470,10 @@ def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_pat
         tmp_path, tiny_model, name, dataset=f"{tmp_path / 'saved'}:main", max_steps=20)
     result = train(args("straight"))
     assert result.returncode == 0, result.stderr
-    proc = start(args("cut"), tmp_path / "log.txt")
-    try:
-        wait_for(lambda: global_step(tmp_path / "cut") >= 10, proc)
-    finally:
-        proc.kill()
-    proc.wait()
+    kill_at(start(args("cut"), tmp_path / "log.txt"), tmp_path / "cut", 13)
     result = train(args("cut"))
     assert result.returncode == 0, result.stderr
-    assert "Resuming" in result.stderr and "is done" not in result.stderr
+    assert resumed_steps(result.stderr) == [10]
     assert ([(r["step"], r["loss"]) for r in metrics(tmp_path / "cut")]
             == [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight")])
     final = "checkpoints/step-000020/model.pt"

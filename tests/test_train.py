@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,28 @@ def wait_for(condition, proc, timeout=60):
         assert proc.poll() is None, f"training exited early with {proc.returncode}"
         assert time.monotonic() < deadline, "timed out waiting for training"
         time.sleep(0.01)
+
+
+def last_step(exp_dir):
+    """The last step metrics.jsonl holds a whole line for (a resumed run first cuts the
+    file back to its checkpoint, so this can go down)."""
+    path = exp_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def kill_at(proc, exp_dir, step, delay=0.0, kill=None, timeout=120):
+    """SIGKILL the run once it has logged ``step``, ``delay`` seconds later (in the next
+    step's data fetch, its validation or a save); it must not have finished by then."""
+    wait_for(lambda: last_step(exp_dir) >= step, proc, timeout)
+    time.sleep(delay)
+    (kill or proc.kill)()
+    assert proc.wait() != 0, f"the run finished before the kill after step {step}"
+
+
+def resumed_steps(log_text):
+    """The steps that the restarts of a run said they resumed from."""
+    return [int(n) for n in re.findall(r"Resuming .* from .*, step (\d+) of", log_text)]
 
 
 @pytest.fixture(scope="module")
@@ -142,28 +165,22 @@ def assert_same_run(exp_dir, reference):
 @pytest.mark.parametrize("ckpt_freq", [7, 1])
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(
         straight, tiny_model, tmp_path, ckpt_freq):
-    """Kill -9 at a random moment after each new checkpoint: in a step, in validation, in a
-    save (with --ckpt-freq 1 most of the time is spent saving). Rerun until done."""
+    """Kill -9 three times, each after a random step and a random moment of the next: in a
+    step, in validation, in a save (with --ckpt-freq 1 most of the time is spent saving).
+    Every restart must say it resumes from the last checkpoint before its kill."""
     rng = random.Random(ckpt_freq)
     args = train_args(tmp_path, tiny_model, ckpt_freq=ckpt_freq)
     exp_dir = tmp_path / "run"
-    kills = 0
-    while kills < 3:
-        resumed_from = global_step(exp_dir)
-        proc = start(args, tmp_path / "log.txt")
-        try:
-            # Wait for evidence of progress, so that every restart gets further.
-            wait_for(lambda: global_step(exp_dir) > resumed_from or proc.poll() is not None,  # noqa: B023
-                     proc)
-            time.sleep(rng.uniform(0, 0.3))
-        finally:
-            proc.kill()
-        if proc.wait() == 0:
-            break  # it finished before the kill
-        kills += 1
-    assert kills > 0
+    expected = []
+    for at in sorted(rng.sample(range(3, MAX_STEPS - 5), 3)):
+        expected.append(global_step(exp_dir))
+        kill_at(start(args, tmp_path / "log.txt"), exp_dir, at, rng.uniform(0, 0.02))
+    expected.append(global_step(exp_dir))
     result = train(args)
     assert result.returncode == 0, result.stderr
+    log = (tmp_path / "log.txt").read_text() + result.stderr
+    assert resumed_steps(log) == [step for step in expected if step]
+    assert expected[-1] > 0
     assert_same_run(exp_dir, straight)
 
 
