@@ -4,8 +4,11 @@
 
 Everything a run writes lives in {save-dir}/{experiment-name}/ (DESIGN.md section 3). The
 command is also the resume command: if that directory holds a state.json, training continues
-from the checkpoint it names, bit-identically on the same hardware. Read main() top to bottom;
-utils.py holds the helpers that measure things and move checkpoint bytes.
+from the checkpoint it names, bit-identically on the same hardware.
+
+Read main() first: it is the table of contents, and each function it calls comes below it in
+the order it is called. utils.py holds the helpers that measure things and move checkpoint
+bytes; data.py the data pipeline.
 """
 
 import argparse
@@ -23,6 +26,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import datasets
 import datasets.distributed
@@ -55,20 +59,16 @@ FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_p
                "active_shards", "shuffle_buffer", "epochs", "fsdp", "task", "mix", "odm",
                "odm_warmup_steps", "odm_alpha")
 
+# The per-rank files of a checkpoint (DESIGN.md section 3); only save_checkpoint and
+# load_checkpoint read or write checkpoint files.
+RNG_FILE, LOADER_FILE = "rng-rank{}.pt", "loader-rank{}.json"
+
 
 def main():
-    parser = get_parser()
-    args = parser.parse_args()
-    if args.dataset is None:  # the shipped sample data of the task
-        args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
-    if args.val_dataset is None:
-        args.val_dataset = DEFAULT_DATA[args.task] + "val-*.jsonl"
-
+    args = parse_args()
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1. Only rank 0 logs
     # at INFO level and writes logs, metrics and state.json; every rank writes its loader state.
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     logging.basicConfig(format=f"[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s",
                         level=logging.INFO if rank == 0 else logging.WARNING)
     LOGGER.info(args)
@@ -81,44 +81,11 @@ def main():
         lock = utils.lock(exp_dir)  # noqa: F841 (held until the process exits)
     if "LOCAL_RANK" in os.environ:
         utils.die_with_parent()
-
-    state = open_run(args, exp_dir, world_size)
+    state = open_run(args, exp_dir, world_size)  # before any heavy work: a refusal is quick
     if state is None:  # done already: nothing to train
         return
 
-    # Device: a GPU runs matmuls in bf16 under autocast while weights and optimizer state stay
-    # float32 (mixed precision). CPUs run plain float32: bf16 is slow on most of them.
-    if args.deterministic:  # GPU kernels too, for bit-identical GPU runs (CPU ones already are)
-        utils.deterministic()
-    if args.device:
-        device = torch.device(args.device)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16,
-                                 enabled=device.type == "cuda")
-    # The process group: NCCL moves GPU tensors, gloo CPU ones. Every collective (all-reduce,
-    # barrier) waits for all ranks; the first step may take long (compile, loading), later
-    # ones not, so the timeout is shortened after it and a hung rank fails fast.
-    distributed = world_size > 1 or args.fsdp
-    if distributed:
-        if "MASTER_ADDR" not in os.environ:
-            sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    barrier = dist.barrier if distributed else (lambda: None)
-    LOGGER.info(f"Training on {device}, world size {world_size}")
-
-    # The run id is kept in state.json, so a resumed run continues the same wandb curve.
-    # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
-    state["wandb_run_id"] = wandb.init(
-        project="train-llm", name=args.experiment_name, id=state["wandb_run_id"],
-        resume="allow", dir=exp_dir, config=vars(args),
-        mode=args.wandb if rank == 0 else "disabled").id
-
+    ctx = init_distributed(args, rank, world_size)
     # Seed every global RNG a library may draw from (torch also seeds CUDA). The same seed on
     # every rank gives every rank the same initial weights; a resumed run then restores the
     # RNG states saved in its checkpoint.
@@ -126,160 +93,45 @@ def main():
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    config = AutoConfig.from_pretrained(args.model_name, use_cache=False)
-    if len(tokenizer) > config.vocab_size:
-        sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only "
-                 f"{config.vocab_size} embeddings: pick a matching --model-name.")
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions and args.seq_length > positions:
-        parser.error(f"--seq-length {args.seq_length} is longer than the {positions} positions "
-                     f"of --model-name {args.model_name}")
-    if args.init_from_pretrained:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name, config=config,
-                                                     dtype=torch.float32)
-    else:  # fresh random weights, shaped by the config
-        model = AutoModelForCausalLM.from_config(config)
-    model.to(device)
-    LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    flops_per_token = utils.flops_per_token(model, config, args.seq_length)
+    tokenizer, model = build_model(args, ctx.device)
+    flops_per_token = utils.flops_per_token(model, model.config, args.seq_length)
+    model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
+    optimizer = build_optimizer(model, args, ctx.device)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: get_lr(step, args) / args.lr)
 
-    # Data parallelism. DDP keeps a full copy of the model on every rank and averages the
-    # gradients during backward. FSDP2 shards every transformer block's weights, gradients
-    # and optimizer state across ranks and gathers a block's weights just before it runs:
-    # for models whose training state does not fit one GPU.
-    raw_model = model
-    if args.fsdp:
-        for module in model.modules():  # HF models name their transformer block classes
-            if type(module).__name__ in (model._no_split_modules or ()):
-                fully_shard(module)
-        fully_shard(model)
-    elif world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[device] if device.index is not None
-                                        else None)
-
-    # AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
-    # towards zero does not regularize anything. The fused kernel is one launch per step.
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": args.weight_decay},
-         {"params": vectors, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-    # Linear warmup to --lr, then a cosine down to --min-lr at --max-steps. A pure function
-    # of the step: raising --max-steps on resume stretches the rest of the cosine.
-    def lr_lambda(step):  # the factor on --lr for the update of optimizer step `step` + 1
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-        cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
-        return (args.min_lr + (args.lr - args.min_lr) * cosine) / args.lr
-
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-
-    # Mixing domains (--mix, --odm): the mixer's probabilities decide each sequence's domain.
-    # With --odm they follow the per-domain training losses (a bandit: data.OnlineMixer);
-    # without it they stay the --mix weights.
-    domains, weights, mixer = [], None, None
-    if args.mix or args.odm != "off":
-        domains, weights = mixture_weights(args)
-        weights = [w / sum(weights) for w in weights]
-        if args.odm != "off":
-            mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
-                                     warmup_steps=args.odm_warmup_steps)
-
-    # Data: background threads read, tokenize and batch ahead, so the GPU never waits.
+    domains, weights, mixer = mixture(args)  # ([], None, None) without --mix/--odm
     train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
                                   weights=weights, mixer=mixer)
-    # Validation always scores the same held-out batches, whatever the world size: all ranks
-    # read them (once, kept in memory) and each scores every world_size-th one. With domains,
-    # --val-batches of every domain, each batch tagged with its domain.
-    val_sets = find_domains(args.val_dataset) if domains else {}
-    if domains and list(val_sets) != domains:
-        sys.exit(f"--val-dataset has the domains {list(val_sets)}, --dataset {domains}")
-    val_batches = []
-    for i, urls in enumerate(val_sets.values() if domains else [args.val_dataset]):
-        val_pipeline = build_pipeline(urls, tokenizer, args, 0, 1, train=False)
-        for batch in data.Take(val_pipeline, args.val_batches):
-            val_batches.append(batch | ({"domain": [i] * args.batch_size} if domains else {}))
-        val_pipeline.close()
-    if not val_batches:
-        sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
-    if len(val_batches) < args.val_batches * max(1, len(domains)) and rank == 0:
-        LOGGER.warning(f"--val-dataset holds only {len(val_batches)} batches of the "
-                       f"{args.val_batches * max(1, len(domains))} asked for: validating on those")
-    if rank == 0:
-        warn_if_overlapping(args.dataset, args.val_dataset)
+    val_batches = validation_batches(args, tokenizer, domains, rank)
 
     # Resume: everything that evolves during training comes back from the checkpoint. Only
     # once it has loaded does a resume forget what a killed run did after it (later metrics,
     # debris of unfinished saves), so that metrics.jsonl then has every step exactly once.
     if state["checkpoint"]:
-        load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, train_loader,
-                        args.fsdp, device, rank, world_size)
+        load_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, train_loader, args, ctx)
     if rank == 0:
         utils.discard_after(exp_dir, state["global_step"])
         if args.resume_from:  # state.json must not name a checkpoint that was just discarded
             utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
     state["world_size"] = world_size
-
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
-        raw_model.compile()
+        unwrap(model).compile()
 
-    # SIGTERM (preemption, scancel, docker stop) and Ctrl-C only raise a flag: the step in
-    # flight finishes, a checkpoint is saved, and the process exits 0. A second signal kills
-    # at once, which is safe too: the last complete checkpoint stays loadable. (torchrun
-    # forwards SIGTERM to every rank; the ranks agree on stopping at the same step.)
-    stop = threading.Event()
-
-    def request_stop(signum, frame):
-        LOGGER.warning(f"{signal.Signals(signum).name}: saving a checkpoint after this step")
-        stop.set()
-        signal.signal(signum, signal.SIG_DFL)
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-
-    def save_checkpoint():
-        """Rank 0 writes the model, optimizer and state.json; every rank its RNG and loader
-        state. With FSDP every rank writes its shards of model and optimizer (DCP)."""
-        loader_state = train_loader.state_dict()
-        state["epoch"] = utils.source_epoch(loader_state)
-        files = {f"rng-rank{rank}.pt": utils.rng_state(device),
-                 f"loader-rank{rank}.json": loader_state}
-        if args.fsdp:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            files["dcp"] = lambda path: dcp.save({"model": model_state, "optimizer": optim_state},
-                                                 checkpoint_id=path)
-        elif rank == 0:
-            files |= {"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict()}
-        if rank == 0:
-            files["lr_scheduler.pt"] = lr_scheduler.state_dict()
-        if distributed:  # rank 0 may write for minutes while the others wait at a barrier
-            utils.set_collective_timeout(datetime.timedelta(minutes=30))
-        utils.save_checkpoint(exp_dir, state["global_step"], files, state,
-                              keep=args.keep_checkpoints, rank=rank, barrier=barrier)
-        if distributed:
-            utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
-        LOGGER.info(f"Saved {state['checkpoint']}")
-
-    timers = {name: utils.Timer(device) for name in ("data", "forward", "backward", "update")}
+    log = MetricsLog(exp_dir, args, state, rank)
+    stop = stop_on_signals()
+    save = functools.partial(save_checkpoint, exp_dir, state, model, optimizer, lr_scheduler,
+                             train_loader, args, ctx)
+    validate = functools.partial(validation_metrics, model, val_batches, ctx, domains)
+    timers = {name: utils.Timer(ctx.device) for name in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
-    peak_flops = utils.peak_flops(device)
-    metrics_file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
+    peak_flops = utils.peak_flops(ctx.device)
     progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps, desc="train",
                          disable=rank != 0)
-    last_log_step = last_val_step = first_step = state["global_step"]
+    last_log_step = first_step = state["global_step"]
     metrics = {}  # the last step's, for a validation when the data runs out after it
-
-    def validate():
-        val_loss, per_domain = evaluate(model, val_batches, device, autocast, rank, world_size,
-                                        len(domains))
-        return {"val_loss": val_loss,
-                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
-    profiler = utils.profiler(args.profile_steps, exp_dir / "profile", rank, device,
+    profiler = utils.profiler(args.profile_steps, exp_dir / "profile", rank, ctx.device,
                               next_step=state["global_step"] + 1)
 
     model.train()
@@ -290,143 +142,83 @@ def main():
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"]:  # next() by hand, so the wait for data is measured
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
-            data_left = None not in batches
-            if args.epochs and world_size > 1:
-                # With finite data ranks run out at different steps (their shards differ);
-                # all stop together, or the others would wait forever in the next all-reduce.
-                data_left = utils.all_ranks(data_left, device)
-            if not data_left and step == 1:
-                train_loader.close()
-                sys.exit(f"The data ran out before the first step: --dataset {args.dataset} "
-                         f"holds fewer than the {tokens_per_step:,} tokens of one step "
-                         f"({args.batch_size} x {args.grad_accum} x {world_size} sequences of "
-                         f"{args.seq_length} tokens) per pass (--epochs {args.epochs}). Use "
-                         "more data, more --epochs, or a smaller --batch-size/--seq-length.")
-            if not data_left:
+            if not data_left(batches, step, args, ctx, train_loader):
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
-                if step - 1 != last_val_step:  # validate the last step, however the run ends
-                    metrics |= validate()
-                    if rank == 0:  # the step's line in metrics.jsonl, now with its val loss
-                        utils.rewrite_last_line(metrics_file, json.dumps(metrics))
-                        wandb.log(metrics, step=step - 1)
-                    LOGGER.info(utils.format_metrics(metrics))
+                if metrics and "val_loss" not in metrics:  # validate the last step anyway
+                    log.rewrite_last(metrics | validate())
                 state["data_exhausted"] = True
-                if state["checkpoint"] != f"checkpoints/step-{state['global_step']:06d}":
-                    save_checkpoint()
-                elif rank == 0:  # the last checkpoint is this step's: only say we are done
-                    utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
+                save()
                 break
 
-            loss_sum = torch.zeros((), device=device)
-            # Per domain: loss sums, tokens scored and sequences, for the mixer and the logs.
-            domain_stats = torch.zeros(3, len(domains), device=device)
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
-            for i, batch in enumerate(batches):
-                # Gradients are averaged across ranks once per step, in the last backward.
-                with utils.gradient_sync(model, enabled=i == args.grad_accum - 1):
-                    with timers["forward"], autocast():
-                        logits, targets = forward(model, batch, device)
-                        sums, counts = sequence_losses(logits, targets)
-                        loss = sums.sum() / counts.sum().clamp(min=1) / args.grad_accum
-                    # Backward needs no logits ([batch, seq, vocab], the largest activation):
-                    # dropping our reference lets them be freed before backward's peak.
-                    del logits
-                    with timers["backward"]:
-                        loss.backward()
-                loss_sum += loss.detach()
-                if domains:
-                    index = torch.tensor(batch["domain"], device=device)
-                    for row, value in enumerate((sums.detach(), counts, torch.ones_like(sums))):
-                        domain_stats[row].index_add_(0, index, value.to(domain_stats.dtype))
-
+            stats = train_step(model, batches, ctx, timers, len(domains))
+            stats["stop"] = torch.tensor(float(stop.is_set()), device=ctx.device)
             with timers["update"]:
-                # The logged loss is the mean over all ranks. A signal may reach the ranks at
-                # different steps: the same all-reduce tells all of them to stop at this one.
-                # Every rank's mixer sees the same per-domain losses, so all stay identical.
-                stop_flag = torch.tensor(float(stop.is_set()), device=device)
-                reduced = torch.cat([torch.stack([loss_sum, stop_flag]), domain_stats.flatten()])
-                if world_size > 1:
-                    dist.all_reduce(reduced)
-                loss_value, stopping, *stats = reduced.tolist()
-                loss_value /= world_size
-                domain_loss = {i: stats[i] / stats[len(domains) + i]
-                               for i in range(len(domains)) if stats[len(domains) + i]}
-                if mixer:
-                    mixer.update(domain_loss, step)
+                # One all-reduce for all the step's numbers: the loss, the per-domain sums, and
+                # whether a rank got a signal (it may reach the ranks at different steps: they
+                # all stop at the step where any of them saw it).
+                stats = utils.all_reduce_sum(stats, world_size)
+                loss = stats["loss"] / world_size
                 grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip)).item()
-                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    # Do not save: the weights are about to be garbage, and the last good
-                    # checkpoint must stay the one state.json names. (All ranks see the same
-                    # loss and gradient norm, so all stop here.)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     train_loader.close()
-                    sys.exit(f"Step {step}: loss {loss_value}, gradient norm {grad_norm}. "
-                             f"Stopping without a checkpoint; the last good one is "
-                             f"{state['checkpoint']}. Lower --lr or raise --warmup-steps.")
+                    sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping "
+                             f"without a checkpoint (the weights are about to be garbage); the "
+                             f"last good one is {state['checkpoint']}. Lower --lr or raise "
+                             "--warmup-steps.")
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
-            if step == first_step + 1 and distributed:  # past the slow first step
+            if step == first_step + 1 and ctx.distributed:  # past the slow first step
                 utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
 
-            metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+            metrics = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                        "tokens_seen": state["tokens_seen"]}
-            for i, name in enumerate(domains):
-                sequences_seen = int(stats[2 * len(domains) + i])
-                state["domain_tokens"][name] = (state["domain_tokens"].get(name, 0)
-                                                + sequences_seen * args.seq_length)
-                metrics[f"mix/p_{name}"] = probabilities[i]
-                metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name]
-                if i in domain_loss:
-                    metrics[f"mix/loss_{name}"] = domain_loss[i]
+            if domains:
+                metrics |= mixing_metrics(stats, domains, probabilities, mixer, state, args)
             if step % args.log_freq == 0 or step == args.max_steps:
-                seconds = {name: timer.pop() for name, timer in timers.items()}
-                step_seconds = sum(seconds.values())
-                tokens_per_s = (step - last_log_step) * tokens_per_step / step_seconds
+                metrics |= speed_metrics(timers, (step - last_log_step) * tokens_per_step,
+                                         flops_per_token, peak_flops, ctx)
+                metrics["data/skipped"] = utils.skipped_records(train_loader.state_dict())
                 last_log_step = step
-                metrics |= {
-                    "tokens_per_s": tokens_per_s,  # all ranks together
-                    # The share of step time spent waiting for data: ideally ~0.
-                    "data_wait": seconds["data"] / step_seconds,
-                    "mfu": (flops_per_token * tokens_per_s / world_size / peak_flops
-                            if peak_flops else None),
-                    # Bad records skipped so far (--skip-bad-records; rank 0's sources).
-                    "data/skipped": utils.skipped_records(train_loader.state_dict()),
-                    **utils.memory_stats(device),
-                }
-            if step % args.val_freq == 0 or step == args.max_steps or stopping:
+            if step % args.val_freq == 0 or step == args.max_steps or stats["stop"]:
                 metrics |= validate()
-                last_val_step = step
-            if rank == 0:
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
-                wandb.log(metrics, step=step)
-            if "tokens_per_s" in metrics or "val_loss" in metrics:
-                LOGGER.info(utils.format_metrics(metrics))
+            log.write(metrics)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss_value:.3f}")
-
-            if step % args.ckpt_freq == 0 or step == args.max_steps or stopping:
-                save_checkpoint()
+            progress.set_postfix(loss=f"{loss:.3f}")
+            if step % args.ckpt_freq == 0 or step == args.max_steps or stats["stop"]:
+                save()
             gc_control.step(step)
             prof.step()
-            if stopping:  # decided together, so all ranks saved and all leave here
+            if stats["stop"]:  # decided together, so all ranks saved and all leave here
                 LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
                 break
 
     progress.close()
     train_loader.close()
-    if metrics_file:
-        metrics_file.close()
-    wandb.finish()
-    if distributed:
+    log.close()
+    if ctx.distributed:
         dist.destroy_process_group()
     if not stop.is_set():
         LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens.")
 
+
+def parse_args(argv=None):
+    args = get_parser().parse_args(argv)
+    if args.dataset is None:  # the shipped sample data of the task
+        args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
+    if args.val_dataset is None:
+        args.val_dataset = DEFAULT_DATA[args.task] + "val-*.jsonl"
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup: the run directory, the device and the process group
+# ----------------------------------------------------------------------------------------------
 
 def open_run(args, exp_dir, world_size):
     """The run state to continue from (a fresh one for a new run), or None if it is done.
@@ -469,69 +261,149 @@ def open_run(args, exp_dir, world_size):
     return state
 
 
-def load_checkpoint(exp_dir, state, raw_model, model, optimizer, lr_scheduler, train_loader,
-                    fsdp, device, rank, world_size):
-    """Model, optimizer, schedule, loader state and, last (after everything else has drawn
-    from them), the RNG states, from the checkpoint that ``state`` names. A file that does not
-    load ends the run with one paragraph that names it and the older checkpoint to use."""
-    ckpt_dir = exp_dir / state["checkpoint"]
-    name = "dcp" if fsdp else "model.pt"
-    try:
-        if fsdp:  # each rank loads its shards; DCP reshards when the world size changed
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optimizer": optim_state},
-                     checkpoint_id=ckpt_dir / "dcp")
-            set_state_dict(model, optimizer, model_state_dict=model_state,
-                           optim_state_dict=optim_state)
-        else:
-            raw_model.load_state_dict(utils.load(ckpt_dir / name, device))
-            name = "optimizer.pt"
-            optimizer.load_state_dict(utils.load(ckpt_dir / name, device))
-        name = "lr_scheduler.pt"
-        lr_scheduler.load_state_dict(utils.load(ckpt_dir / name, device))
-        saved_world = state.get("world_size", 1)
-        states = []  # the loader state of every rank that saved, or only ours
-        for r in range(saved_world) if saved_world != world_size else [rank]:
-            name = f"loader-rank{r}.json"
-            states.append(json.loads((ckpt_dir / name).read_text()))
-        if saved_world == world_size:  # (a changed --batch-size is fine: Batch has no state)
-            train_loader.load_state_dict(states[0])
-        else:  # another number of ranks: see data.reshard for the guarantee
-            try:
-                report = data.reshard(train_loader, states)
-            except ValueError as e:
-                sys.exit(f"Cannot resume on {world_size} ranks what {saved_world} saved: {e}")
-            LOGGER.info(f"Data of {saved_world} rank(s) moved to {world_size}: no document "
-                        f"skipped or repeated; {report}")
-        name = f"rng-rank{rank}.pt"
-        if not (ckpt_dir / name).exists():  # a new rank after a resharding: rank 0's states
-            name = "rng-rank0.pt"
-        utils.set_rng_state(utils.load(ckpt_dir / name, "cpu"))
-    except data.ConfigMismatch as e:  # not damage: a flag that shapes the data differs
-        sys.exit(f"Cannot resume from {ckpt_dir}: its loader state was made with other data "
-                 f"arguments. {e} (In train_llm.py flags: max_chars is --max-doc-chars, 0 for "
-                 "None; n_active_shards is --active-shards; urls and split_plan come from "
-                 "--dataset and the files it names.)")
-    except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
-        sys.exit(damaged_checkpoint(exp_dir, ckpt_dir, ckpt_dir / name, e))
+class Context(NamedTuple):
+    """Where this process trains: its rank, the number of ranks, its device."""
+    rank: int
+    world_size: int
+    device: torch.device
+    distributed: bool  # a process group exists (several ranks, or --fsdp)
+
+    def autocast(self):
+        # A GPU runs matmuls in bf16 while weights and optimizer state stay float32 (mixed
+        # precision). CPUs run plain float32: bf16 is slow on most of them.
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.device.type == "cuda")
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
 
 
-def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
-    """The paragraph for a checkpoint that does not load: which file, and how to go on."""
-    text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            "Nothing was changed or deleted.")
-    step = int(ckpt_dir.name.removeprefix("step-"))
-    older = [d for s, d in sorted(utils.complete_checkpoints(exp_dir).items()) if s < step]
-    if not older:
-        return text + " No older complete checkpoint is left: start a new --experiment-name."
-    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
-            and sys.argv[i - 1] != "--resume-from"]
-    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
-        if "LOCAL_RANK" in os.environ else ["python"]
-    command = shlex.join([*launcher, "train_llm.py", *argv, "--resume-from", older[-1].name])
-    return (text + f" The previous checkpoint {older[-1]} is complete; resume from it (this "
-            f"discards what was logged after it) with:\n  {command}")
+def init_distributed(args, rank, world_size):
+    """Pick the device and, under torchrun, join the process group.
+
+    NCCL moves GPU tensors, gloo CPU ones. Every collective (all-reduce, barrier) waits for
+    all ranks; the first step may take long (compile, loading), later ones not, so the
+    timeout is shortened after it (--dist-timeout) and a hung rank fails fast.
+    """
+    if args.deterministic:  # GPU kernels too, for bit-identical GPU runs (CPU ones already are)
+        utils.deterministic()
+    if args.device:
+        device = torch.device(args.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    distributed = world_size > 1 or args.fsdp
+    if distributed:
+        if "MASTER_ADDR" not in os.environ:
+            sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    LOGGER.info(f"Training on {device}, world size {world_size}")
+    return Context(rank, world_size, device, distributed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, optimizer, learning-rate schedule
+# ----------------------------------------------------------------------------------------------
+
+def build_model(args, device):
+    """The tokenizer, and the model of --model-name's config: fresh random weights, or the
+    saved ones with --init-from-pretrained. Float32 weights (autocast does bf16 on a GPU)."""
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    config = AutoConfig.from_pretrained(args.model_name, use_cache=False)
+    if len(tokenizer) > config.vocab_size:
+        sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only "
+                 f"{config.vocab_size} embeddings: pick a matching --model-name.")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and args.seq_length > positions:
+        sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
+                 f"of --model-name {args.model_name}")
+    if args.init_from_pretrained:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name, config=config,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(device)
+    LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    return tokenizer, model
+
+
+def parallelize(model, args, ctx):
+    """Data parallelism. DDP keeps a full copy of the model on every rank and averages the
+    gradients during backward. FSDP2 (--fsdp) shards every transformer block's weights,
+    gradients and optimizer state across ranks and gathers a block's weights just before it
+    runs: for models whose training state does not fit one GPU."""
+    if args.fsdp:
+        for module in model.modules():  # HF models name their transformer block classes
+            if type(module).__name__ in (model._no_split_modules or ()):
+                fully_shard(module)
+        return fully_shard(model)  # in place: the model is its own shards now
+    if ctx.world_size > 1:
+        return DistributedDataParallel(
+            model, device_ids=[ctx.device] if ctx.device.index is not None else None)
+    return model
+
+
+def unwrap(model):
+    """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def build_optimizer(model, args, device):
+    """AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
+    towards zero does not regularize anything. The fused kernel is one launch per step."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": args.weight_decay},
+         {"params": vectors, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def get_lr(step, args):
+    """The learning rate of the update after ``step`` steps: a linear warmup to --lr, then a
+    cosine down to --min-lr at --max-steps. A pure function of the step, so raising
+    --max-steps on resume stretches the rest of the cosine."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
+    return args.min_lr + (args.lr - args.min_lr) * cosine
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+def mixture(args):
+    """Mixing domains (--mix, --odm): (domains, initial weights, mixer), or ([], None, None).
+
+    The mixer's probabilities decide each sequence's domain. With --odm they follow the
+    per-domain training losses (a bandit: data.OnlineMixer); without it they stay the --mix
+    weights (uniform if --mix is not given).
+    """
+    if not args.mix and args.odm == "off":
+        return [], None, None
+    domains = list(find_domains(args.dataset))
+    if args.mix:
+        given = parse_mix(args.mix)  # (checked when parsed: finite, >= 0, not all 0, once each)
+        unknown = set(given) - set(domains)
+        if unknown or len(given) != len(domains):
+            sys.exit(f"--mix {args.mix}: give a weight to each domain of {domains}; "
+                     f"unknown: {sorted(unknown)}")
+        weights = [float(given[name]) for name in domains]
+    else:
+        weights = [1.0] * len(domains)
+    weights = [w / sum(weights) for w in weights]
+    mixer = None
+    if args.odm != "off":
+        mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
+                                 warmup_steps=args.odm_warmup_steps)
+    return domains, weights, mixer
 
 
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=None,
@@ -658,18 +530,356 @@ def find_domains(pattern):
     return {name: f"{root}/{name}/{rest}" for name in names}
 
 
-def mixture_weights(args):
-    """The initial mixture: --mix name=weight,... or uniform over the domains."""
-    names = list(find_domains(args.dataset))
-    if not args.mix:
-        return names, [1.0] * len(names)
-    weights = parse_mix(args.mix)  # (checked when parsed: finite, >= 0, not all 0, once each)
-    unknown = set(weights) - set(names)
-    if unknown or len(weights) != len(names):
-        sys.exit(f"--mix {args.mix}: give a weight to each domain of {names}; "
-                 f"unknown: {sorted(unknown)}")
-    return names, [float(weights[name]) for name in names]
+def validation_batches(args, tokenizer, domains, rank):
+    """The fixed list of validation batches, read once and kept in memory.
 
+    Validation always scores the same held-out batches, whatever the world size: all ranks
+    read them and each scores every world_size-th one. With domains, --val-batches of every
+    domain, each batch tagged with its domain.
+    """
+    val_sets = find_domains(args.val_dataset) if domains else {}
+    if domains and list(val_sets) != domains:
+        sys.exit(f"--val-dataset has the domains {list(val_sets)}, --dataset {domains}")
+    batches = []
+    for i, urls in enumerate(val_sets.values() if domains else [args.val_dataset]):
+        pipeline = build_pipeline(urls, tokenizer, args, 0, 1, train=False)
+        for batch in data.Take(pipeline, args.val_batches):
+            batches.append(batch | ({"domain": [i] * args.batch_size} if domains else {}))
+        pipeline.close()
+    wanted = args.val_batches * max(1, len(domains))
+    if not batches:
+        sys.exit(f"--val-dataset {args.val_dataset} has less than one batch of tokens.")
+    if len(batches) < wanted and rank == 0:
+        LOGGER.warning(f"--val-dataset holds only {len(batches)} batches of the {wanted} "
+                       "asked for: validating on those")
+    if rank == 0:
+        warn_if_overlapping(args.dataset, args.val_dataset)
+    return batches
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints (the layout: DESIGN.md section 3)
+# ----------------------------------------------------------------------------------------------
+
+def save_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args, ctx):
+    """Save checkpoints/step-NNNNNN and point state.json at it (utils.save_checkpoint: the
+    write order that survives a kill at any instant).
+
+    Rank 0 writes the model, optimizer and schedule; every rank its RNG and loader state. With
+    FSDP every rank writes its shards of model and optimizer (torch.distributed.checkpoint).
+    If this step's checkpoint exists already (the data ran out right after a save), only
+    state.json is rewritten.
+    """
+    step = state["global_step"]
+    if state["checkpoint"] == f"checkpoints/step-{step:06d}":
+        if ctx.rank == 0:
+            utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
+        return
+    loader_state = loader.state_dict()
+    state["epoch"] = utils.source_epoch(loader_state)
+    files = {RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
+             LOADER_FILE.format(ctx.rank): loader_state}
+    if args.fsdp:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        files["dcp"] = lambda path: dcp.save({"model": model_state, "optimizer": optim_state},
+                                             checkpoint_id=path)
+    elif ctx.rank == 0:
+        files |= {"model.pt": unwrap(model).state_dict(), "optimizer.pt": optimizer.state_dict()}
+    if ctx.rank == 0:
+        files["lr_scheduler.pt"] = lr_scheduler.state_dict()
+    if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
+        utils.set_collective_timeout(datetime.timedelta(minutes=30))
+    state["checkpoint"] = utils.save_checkpoint(exp_dir, step, files, state,
+                                                keep=args.keep_checkpoints, rank=ctx.rank,
+                                                barrier=ctx.barrier)
+    if ctx.distributed:
+        utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
+    LOGGER.info(f"Saved {state['checkpoint']}")
+
+
+def load_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args, ctx):
+    """Model, optimizer, schedule, loader state and, last (after everything else has drawn
+    from them), the RNG states, from the checkpoint that ``state`` names. A file that does not
+    load ends the run with one paragraph that names it and the older checkpoint to use."""
+    ckpt_dir = exp_dir / state["checkpoint"]
+    name = "dcp" if args.fsdp else "model.pt"
+    try:
+        if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.load({"model": model_state, "optimizer": optim_state},
+                     checkpoint_id=ckpt_dir / name)
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=optim_state)
+        else:
+            unwrap(model).load_state_dict(utils.load(ckpt_dir / name, ctx.device))
+            name = "optimizer.pt"
+            optimizer.load_state_dict(utils.load(ckpt_dir / name, ctx.device))
+        name = "lr_scheduler.pt"
+        lr_scheduler.load_state_dict(utils.load(ckpt_dir / name, ctx.device))
+        saved_world = state.get("world_size", 1)
+        states = []  # the loader state of every rank that saved, or only ours
+        for r in range(saved_world) if saved_world != ctx.world_size else [ctx.rank]:
+            name = LOADER_FILE.format(r)
+            states.append(json.loads((ckpt_dir / name).read_text()))
+        restore_loader(loader, states, saved_world, ctx)
+        name = RNG_FILE.format(ctx.rank)
+        if not (ckpt_dir / name).exists():  # a new rank after a resharding: rank 0's states
+            name = RNG_FILE.format(0)
+        utils.set_rng_state(utils.load(ckpt_dir / name, "cpu"))
+    except data.ConfigMismatch as e:  # not damage: a flag that shapes the data differs
+        sys.exit(f"Cannot resume from {ckpt_dir}: its loader state was made with other data "
+                 f"arguments. {e} (In train_llm.py flags: max_chars is --max-doc-chars, 0 for "
+                 "None; n_active_shards is --active-shards; urls and split_plan come from "
+                 "--dataset and the files it names.)")
+    except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
+        sys.exit(damaged_checkpoint(exp_dir, ckpt_dir, ckpt_dir / name, e))
+
+
+def restore_loader(loader, states, saved_world, ctx):
+    """Load this rank's loader state; on another number of ranks, the states of all the ranks
+    that saved, merged by data.reshard (no document skipped or repeated)."""
+    if saved_world == ctx.world_size:  # (a changed --batch-size is fine: Batch has no state)
+        loader.load_state_dict(states[0])
+        return
+    try:
+        report = data.reshard(loader, states)
+    except data.ConfigMismatch:
+        raise  # load_checkpoint names the flag
+    except ValueError as e:
+        sys.exit(f"Cannot resume on {ctx.world_size} ranks what {saved_world} saved: {e}")
+    LOGGER.info(f"Data of {saved_world} rank(s) moved to {ctx.world_size}: no document "
+                f"skipped or repeated; {report}")
+
+
+def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
+    """The paragraph for a checkpoint that does not load: which file, and how to go on."""
+    text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Nothing was changed or deleted.")
+    step = int(ckpt_dir.name.removeprefix("step-"))
+    older = [d for s, d in sorted(utils.complete_checkpoints(exp_dir).items()) if s < step]
+    if not older:
+        return text + " No older complete checkpoint is left: start a new --experiment-name."
+    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
+            and sys.argv[i - 1] != "--resume-from"]
+    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
+        if "LOCAL_RANK" in os.environ else ["python"]
+    command = shlex.join([*launcher, "train_llm.py", *argv, "--resume-from", older[-1].name])
+    return (text + f" The previous checkpoint {older[-1]} is complete; resume from it (this "
+            f"discards what was logged after it) with:\n  {command}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The training step
+# ----------------------------------------------------------------------------------------------
+
+def stop_on_signals():
+    """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
+    step in flight finishes, a checkpoint is saved, and the process exits 0. A second signal
+    kills at once, which is safe too: the last complete checkpoint stays loadable. (torchrun
+    forwards SIGTERM to every rank; the ranks agree on stopping at the same step.)"""
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        LOGGER.warning(f"{signal.Signals(signum).name}: saving a checkpoint after this step")
+        stop.set()
+        signal.signal(signum, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def data_left(batches, step, args, ctx, loader):
+    """Whether every rank got its micro-batches for this step (only --epochs ends the data).
+
+    With finite data ranks run out at different steps (their shards differ); all stop
+    together, or the others would wait forever in the next all-reduce.
+    """
+    left = None not in batches
+    if args.epochs and ctx.world_size > 1:
+        left = utils.all_ranks(left, ctx.device)
+    if not left and step == 1:
+        loader.close()
+        tokens = ctx.world_size * args.grad_accum * args.batch_size * args.seq_length
+        sys.exit(f"The data ran out before the first step: --dataset {args.dataset} holds fewer "
+                 f"than the {tokens:,} tokens of one step ({args.batch_size} x {args.grad_accum} x "
+                 f"{ctx.world_size} sequences of {args.seq_length} tokens) per pass (--epochs "
+                 f"{args.epochs}). Use more data, more --epochs, or a smaller "
+                 "--batch-size/--seq-length.")
+    return left
+
+
+def train_step(model, batches, ctx, timers, n_domains=0):
+    """Forward and backward over one step's micro-batches, whose gradients add up.
+
+    Returns the step's numbers on this rank, as named tensors: "loss" (the mean over the
+    micro-batches of each one's loss per scored token) and, with domains, per domain the
+    summed loss, the tokens scored and the sequences ("domain_loss", "domain_tokens",
+    "domain_sequences"), for the mixer and the logs.
+    """
+    stats = {"loss": torch.zeros((), device=ctx.device)}
+    if n_domains:
+        stats |= {f"domain_{k}": torch.zeros(n_domains, device=ctx.device)
+                  for k in ("loss", "tokens", "sequences")}
+    for i, batch in enumerate(batches):
+        # Gradients are averaged across ranks once per step, in the last backward.
+        with utils.gradient_sync(model, enabled=i == len(batches) - 1):
+            with timers["forward"], ctx.autocast():
+                logits, targets = forward(model, batch, ctx.device)
+                sums, counts = sequence_losses(logits, targets)
+                loss = sums.sum() / counts.sum().clamp(min=1) / len(batches)
+            # Backward needs no logits ([batch, seq, vocab], the largest activation):
+            # dropping our reference lets them be freed before backward's peak.
+            del logits
+            with timers["backward"]:
+                loss.backward()
+        stats["loss"] += loss.detach()
+        if n_domains:
+            index = torch.tensor(batch["domain"], device=ctx.device)
+            for key, value in (("loss", sums.detach()), ("tokens", counts),
+                               ("sequences", torch.ones_like(counts))):
+                stats[f"domain_{key}"].index_add_(0, index, value.float())
+    return stats
+
+
+def forward(model, batch, device):
+    """The logits of a batch and the token ids they are scored against.
+
+    Pretraining scores every token. Fine-tuning scores ``labels``: the answer's tokens, with
+    the prompt and the padding set to -100. Packed sequences bring ``position_ids`` that
+    restart at every sample. (Attention still sees earlier samples of the same sequence: the
+    default attention has no per-sample mask; padding comes last, so causal attention never
+    looks at it.)
+    """
+    input_ids = batch["input_ids"].to(device)
+    positions = batch.get("position_ids")
+    logits = model(input_ids=input_ids,
+                   position_ids=positions.to(device) if positions is not None else None).logits
+    return logits, batch["labels"].to(device) if "labels" in batch else input_ids
+
+
+def sequence_losses(logits, targets):
+    """Next-token cross-entropy summed over each sequence, and how many tokens were scored:
+    two [batch] tensors.
+
+    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. Sums and
+    counts per sequence are what a mean over tokens, or over a domain's sequences, is made of.
+    """
+    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
+                                 reduction="none").view(targets.shape[0], -1)
+    return token_loss.sum(dim=1), (targets[:, 1:] != -100).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics and validation
+# ----------------------------------------------------------------------------------------------
+
+def mixing_metrics(stats, domains, probabilities, mixer, state, args):
+    """With domains: feed the step's per-domain losses (all ranks) to the ODM mixer, count each
+    domain's tokens in the run state, and return the mixture's numbers for the log."""
+    losses = {i: stats["domain_loss"][i] / stats["domain_tokens"][i]
+              for i in range(len(domains)) if stats["domain_tokens"][i]}
+    if mixer:
+        mixer.update(losses, state["global_step"])
+    metrics = {}
+    for i, name in enumerate(domains):
+        tokens = int(stats["domain_sequences"][i]) * args.seq_length
+        state["domain_tokens"][name] = state["domain_tokens"].get(name, 0) + tokens
+        metrics[f"mix/p_{name}"] = probabilities[i]
+        metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name]
+        if i in losses:
+            metrics[f"mix/loss_{name}"] = losses[i]
+    return metrics
+
+
+def speed_metrics(timers, tokens, flops_per_token, peak_flops, ctx):
+    """Throughput since the last call (``tokens`` trained by all ranks meanwhile), the share of
+    it spent waiting for data, MFU (per GPU; None without a known peak) and memory."""
+    seconds = {name: timer.pop() for name, timer in timers.items()}
+    step_seconds = sum(seconds.values())
+    tokens_per_s = tokens / step_seconds
+    return {
+        "tokens_per_s": tokens_per_s,  # all ranks together
+        "data_wait": seconds["data"] / step_seconds,  # ideally ~0
+        "mfu": (flops_per_token * tokens_per_s / ctx.world_size / peak_flops
+                if peak_flops else None),
+        **utils.memory_stats(ctx.device),
+    }
+
+
+def validation_metrics(model, batches, ctx, domains):
+    val_loss, per_domain = evaluate(model, batches, ctx, len(domains))
+    return {"val_loss": val_loss,
+            **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
+
+
+@torch.no_grad()
+def evaluate(model, batches, ctx, n_domains=0):
+    """Mean loss per scored token of the validation batches, and of each domain's batches
+    (eval mode: no dropout).
+
+    Rank r scores batches r, r + W, ...; the sums meet in an all-reduce. Every rank runs the
+    same number of forward passes (under FSDP each is a collective): a rank short of a batch
+    scores batch 0 again and does not count it.
+    """
+    model.eval()
+    total = torch.zeros(2, 1 + n_domains, device=ctx.device)  # loss sums, tokens; all, domains
+    world_size = ctx.world_size
+    for i in range(ctx.rank, -(-len(batches) // world_size) * world_size, world_size):
+        batch = batches[i % len(batches)]
+        with ctx.autocast():
+            sums, counts = sequence_losses(*forward(model, batch, ctx.device))
+        if i < len(batches):
+            total[:, 0] += torch.stack([sums.sum(), counts.sum().float()])
+            if n_domains:
+                index = torch.tensor(batch["domain"], device=ctx.device) + 1
+                total[0].index_add_(0, index, sums.float())
+                total[1].index_add_(0, index, counts.float())
+    if world_size > 1:
+        dist.all_reduce(total)
+    model.train()
+    losses = (total[0] / total[1].clamp(min=1)).tolist()
+    return losses[0], losses[1:]
+
+
+class MetricsLog:
+    """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, and
+    a log line when there is more than the loss to say. Remove wandb here and only here."""
+
+    def __init__(self, exp_dir, args, state, rank):
+        self.file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
+        # The run id is kept in state.json, so a resumed run continues the same wandb curve.
+        # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
+        state["wandb_run_id"] = wandb.init(
+            project="train-llm", name=args.experiment_name, id=state["wandb_run_id"],
+            resume="allow", dir=exp_dir, config=vars(args),
+            mode=args.wandb if rank == 0 else "disabled").id
+
+    def write(self, metrics):
+        if self.file:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+            wandb.log(metrics, step=metrics["step"])
+        if "tokens_per_s" in metrics or "val_loss" in metrics:
+            LOGGER.info(utils.format_metrics(metrics))
+
+    def rewrite_last(self, metrics):
+        """The last step's line again, now with more in it (a late validation)."""
+        if self.file:
+            utils.rewrite_last_line(self.file, json.dumps(metrics))
+            wandb.log(metrics, step=metrics["step"])
+        LOGGER.info(utils.format_metrics(metrics))
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        wandb.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# Command-line arguments
+# ----------------------------------------------------------------------------------------------
 
 def parse_mix(text):
     """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
@@ -711,94 +921,44 @@ def at_least(low):
     return integer
 
 
-def forward(model, batch, device):
-    """The logits of a batch and the token ids they are scored against.
-
-    Pretraining scores every token. Fine-tuning scores ``labels``: the answer's tokens, with
-    the prompt and the padding set to -100. Packed sequences bring ``position_ids`` that
-    restart at every sample. (Attention still sees earlier samples of the same sequence: the
-    default attention has no per-sample mask; padding comes last, so causal attention never
-    looks at it.)
-    """
-    input_ids = batch["input_ids"].to(device)
-    positions = batch.get("position_ids")
-    logits = model(input_ids=input_ids,
-                   position_ids=positions.to(device) if positions is not None else None).logits
-    return logits, batch["labels"].to(device) if "labels" in batch else input_ids
-
-
-def sequence_losses(logits, targets):
-    """Next-token cross-entropy summed over each sequence, and how many tokens were scored:
-    two [batch] tensors.
-
-    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. Sums and
-    counts per sequence are what a mean over tokens, or over a domain's sequences, is made of.
-    """
-    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
-                                 reduction="none").view(targets.shape[0], -1)
-    return token_loss.sum(dim=1), (targets[:, 1:] != -100).sum(dim=1)
-
-
-@torch.no_grad()
-def evaluate(model, batches, device, autocast, rank, world_size, n_domains=0):
-    """Mean loss per scored token of the validation batches, and of each domain's batches
-    (eval mode: no dropout).
-
-    Rank r scores batches r, r + W, ...; the sums meet in an all-reduce. Every rank runs the
-    same number of forward passes (under FSDP each is a collective): a rank short of a batch
-    scores batch 0 again and does not count it.
-    """
-    model.eval()
-    total = torch.zeros(2, 1 + n_domains, device=device)  # loss sums, tokens; all, per domain
-    for i in range(rank, -(-len(batches) // world_size) * world_size, world_size):
-        batch = batches[i % len(batches)]
-        with autocast():
-            sums, counts = sequence_losses(*forward(model, batch, device))
-        if i < len(batches):
-            total[:, 0] += torch.stack([sums.sum(), counts.sum().float()])
-            if n_domains:
-                index = torch.tensor(batch["domain"], device=device) + 1
-                total[0].index_add_(0, index, sums.float())
-                total[1].index_add_(0, index, counts.float())
-    if world_size > 1:
-        dist.all_reduce(total)
-    model.train()
-    losses = (total[0] / total[1].clamp(min=1)).tolist()
-    return losses[0], losses[1:]
-
-
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add = parser.add_argument
-    add("-e", "--experiment-name", required=True, help="run name; outputs go to SAVE_DIR/NAME")
+
+    run = parser.add_argument_group("run")
+    add = run.add_argument
+    add("-e", "--experiment-name", required=True,
+        help="run name; outputs go to SAVE_DIR/NAME")
+    add("--save-dir", default="outputs", help="where experiment directories are created")
     add("--task", choices=["pretrain", "sft"], default="pretrain",
-        help="pretrain: next-token loss on all text; sft: instruction tuning, answer tokens only")
+        help="pretrain: next-token loss on all text; sft: instruction tuning, "
+             "answer tokens only")
+    add("--resume-from", default=None, metavar="CHECKPOINT",
+        help="resume from this kept checkpoint (e.g. step-000400) instead of the "
+             "newest one: a rollback; the steps logged after it are discarded "
+             "once it has loaded")
+    add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
+    add("--max-steps", type=at_least(1), default=600,
+        help="optimizer steps to train for (may be raised on resume)")
+    add("--device", default=None,
+        help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    add("--deterministic", action="store_true",
+        help="deterministic GPU kernels: bit-identical runs at about half the "
+             "speed (a kernel without a deterministic version warns)")
+    add("--compile", action="store_true", help="torch.compile the model")
+    add("--gc-freq", type=at_least(1), default=50,
+        help="run Python's garbage collector every N steps")
+    add("--debug", action="store_true",
+        help="show the traceback of an expected failure (bad data, a missing "
+             "file, a full disk)")
+
+    data_args = parser.add_argument_group("data")
+    add = data_args.add_argument
     add("-d", "--dataset", default=None,
         help="training JSONL shards: paths, globs, {a,b} brace patterns, directories or URLs "
              "(default: data/sample/*/train-*.jsonl, with --task sft data/sft/train-*.jsonl)")
     add("--val-dataset", default=None,
         help="held-out JSONL shards for the validation loss (same forms as --dataset)")
     add("--tokenizer", default="assets/tokenizer", help="Hugging Face tokenizer name or path")
-    add("-m", "--model-name", default="assets/tiny-gpt2",
-        help="Hugging Face model name or path; its config shapes a freshly initialized model")
-    add("--init-from-pretrained", action="store_true",
-        help="load the weights of --model-name instead of initializing them randomly")
-    add("--save-dir", default="outputs", help="where experiment directories are created")
-    add("--resume-from", default=None, metavar="CHECKPOINT",
-        help="resume from this kept checkpoint (e.g. step-000400) instead of the newest one: a "
-             "rollback; the steps logged after it are discarded once it has loaded")
-    add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
-    add("--max-steps", type=at_least(1), default=600,
-        help="optimizer steps to train for (may be raised on resume)")
-    add("--lr", type=float, default=4e-3, help="peak learning rate, reached after warmup")
-    add("--warmup-steps", type=at_least(0), default=60, help="steps of linear learning-rate warmup")
-    add("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
-    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
-    add("--grad-clip", type=float, default=1.0,
-        help="clip the global gradient norm to this (inf: never)")
-    add("-b", "--batch-size", type=at_least(1), default=8,
-        help="sequences per micro-batch (per rank)")
-    add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
     add("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
     add("--shuffle-buffer", type=at_least(1), default=1000,
         help="sequences in the shuffle buffer (1: off)")
@@ -807,28 +967,60 @@ def get_parser():
              "multiple of the number of ranks")
     add("--epochs", type=at_least(1), default=None,
         help="stop after this many passes over --dataset (default: endless; see --max-steps)")
+    add("--tokenizer-threads", type=at_least(1), default=2,
+        help="threads tokenizing in the background")
+    add("--skip-bad-records", action="store_true",
+        help="skip (count and log) records that are malformed or lack a field, instead of "
+             "stopping at the first one")
+    add("--max-doc-chars", type=at_least(0), default=100_000,
+        help="cut longer documents into pieces of at most this many characters (at a blank) "
+             "before tokenizing, so one huge document cannot blow up memory or the loader "
+             "state (0: never cut)")
+
+    model = parser.add_argument_group("model and optimizer")
+    add = model.add_argument
+    add("-m", "--model-name", default="assets/tiny-gpt2",
+        help="Hugging Face model name or path; its config shapes a freshly initialized model")
+    add("--init-from-pretrained", action="store_true",
+        help="load the weights of --model-name instead of initializing them randomly")
+    add("-b", "--batch-size", type=at_least(1), default=8,
+        help="sequences per micro-batch (per rank)")
+    add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
+    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
+    add("--grad-clip", type=float, default=1.0,
+        help="clip the global gradient norm to this (inf: never)")
+
+    schedule = parser.add_argument_group("learning-rate schedule (get_lr)")
+    add = schedule.add_argument
+    add("--lr", type=float, default=4e-3, help="peak learning rate, reached after warmup")
+    add("--warmup-steps", type=at_least(0), default=60, help="steps of linear learning-rate warmup")
+    add("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+
+    logs = parser.add_argument_group("logging, validation and checkpoints")
+    add = logs.add_argument
     add("--log-freq", type=at_least(1), default=10,
         help="print throughput, memory and MFU every N steps")
-    add("--ckpt-freq", type=at_least(1), default=200, help="save a checkpoint every N steps")
-    add("--keep-checkpoints", type=at_least(0), default=2,
-        help="how many newest checkpoints to keep (0: all)")
     add("--val-freq", type=at_least(1), default=200,
         help="compute the validation loss every N steps")
     add("--val-batches", type=at_least(1), default=16,
         help="batches of --val-dataset to validate on")
+    add("--ckpt-freq", type=at_least(1), default=200, help="save a checkpoint every N steps")
+    add("--keep-checkpoints", type=at_least(0), default=2,
+        help="how many newest checkpoints to keep (0: all)")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline",
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
-    add("--compile", action="store_true", help="torch.compile the model")
-    add("--gc-freq", type=at_least(1), default=50,
-        help="run Python's garbage collector every N steps")
     add("--profile-steps", default=None, metavar="FIRST,LAST",
         help="write a torch.profiler trace of steps FIRST to LAST into SAVE_DIR/NAME/profile")
-    add("--tokenizer-threads", type=at_least(1), default=2,
-        help="threads tokenizing in the background")
+
+    distributed = parser.add_argument_group("distributed (under torchrun)")
+    add = distributed.add_argument
     add("--fsdp", action="store_true",
         help="shard weights, gradients and optimizer state across ranks (FSDP2; needs torchrun)")
     add("--dist-timeout", type=float, default=120,
         help="seconds a collective may wait for the other ranks after the first step")
+
+    mixing = parser.add_argument_group("mixing domains")
+    add = mixing.add_argument
     add("--mix", default=None, metavar="NAME=W,...", type=checked(parse_mix),
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights, e.g. code=0.4,docstrings=0.3,prose=0.2,reference=0.1")
@@ -837,20 +1029,6 @@ def get_parser():
     add("--odm-warmup-steps", type=at_least(0), default=50,
         help="steps with the initial weights before ODM starts to adapt")
     add("--odm-alpha", type=float, default=0.9, help="smoothing of ODM's per-domain rewards")
-    add("--deterministic", action="store_true",
-        help="deterministic GPU kernels: bit-identical runs at about half the speed (a kernel "
-             "without a deterministic version warns)")
-    add("--device", default=None,
-        help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    add("--skip-bad-records", action="store_true",
-        help="skip (count and log) records that are malformed or lack a field, instead of "
-             "stopping at the first one")
-    add("--max-doc-chars", type=at_least(0), default=100_000,
-        help="cut longer documents into pieces of at most this many characters (at a blank) "
-             "before tokenizing, so one huge document cannot blow up memory or the loader "
-             "state (0: never cut)")
-    add("--debug", action="store_true",
-        help="show the traceback of an expected failure (bad data, a missing file, a full disk)")
     return parser
 
 

@@ -232,6 +232,19 @@ def all_ranks(flag, device):
     return bool(flag.item())
 
 
+def all_reduce_sum(stats, world_size):
+    """{name: tensor} -> {name: number, or list for a vector}, each summed over all ranks in a
+    single all-reduce (one collective, however many numbers a step logs)."""
+    flat = torch.cat([value.detach().float().reshape(-1) for value in stats.values()])
+    if world_size > 1:
+        torch.distributed.all_reduce(flat)
+    values, out = iter(flat.tolist()), {}
+    for name, value in stats.items():
+        numbers = [next(values) for _ in range(value.numel())]
+        out[name] = numbers if value.dim() else numbers[0]
+    return out
+
+
 def full(tensor):
     """A plain tensor of a DTensor (what FSDP2's gradient norm is), else the tensor itself."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -335,6 +348,7 @@ def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: N
     rank 0 makes the directory and, once all ranks are past the second barrier, renames it.
     A value that is a function is called with its path: a writer that all ranks run together
     (torch.distributed.checkpoint). With several nodes, --save-dir must be a shared file system.
+    Returns the checkpoint's path relative to ``exp_dir``, which the saved state names.
     """
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -350,7 +364,7 @@ def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: N
         else:
             _write_file(tmp / name, lambda f, obj=obj: torch.save(obj, f))
     barrier()
-    state["checkpoint"] = str(final.relative_to(exp_dir))
+    state = {**state, "checkpoint": str(final.relative_to(exp_dir))}
     if rank == 0:
         # The checkpoint carries the run state it belongs to, so a run directory whose
         # state.json is lost or torn can still be resumed from its checkpoints alone.
@@ -364,6 +378,7 @@ def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: N
         for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
             shutil.rmtree(old)
     barrier()  # no rank runs ahead into a checkpoint that is not complete
+    return state["checkpoint"]
 
 
 def complete_checkpoints(exp_dir):
