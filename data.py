@@ -39,13 +39,15 @@ import torch
 log = logging.getLogger("data")
 
 
-def rng_state(rng):
-    """A random.Random's state as JSON-able lists."""
+def _rng_to_json(rng):
+    """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
+    global RNGs of torch, numpy and Python for a checkpoint.)"""
     version, internal, gauss = rng.getstate()
     return [version, list(internal), gauss]
 
 
-def set_rng_state(rng, state):
+def _rng_from_json(rng, state):
+    """Sets a random.Random to a state that _rng_to_json made; returns it."""
     version, internal, gauss = state
     rng.setstate((version, tuple(internal), gauss))
     return rng
@@ -1369,13 +1371,13 @@ class Shuffle(Stage):
             if entry[1] is None:
                 entry[1] = to_json(entry[0])
         return self._state(buffer=[entry[1] for entry in self.buffer], exhausted=self.exhausted,
-                           rng=rng_state(self.rng))
+                           rng=_rng_to_json(self.rng))
 
     def load_state_dict(self, state):
         self._load(state)
         self.buffer = [[from_json(s), s] for s in state["buffer"]]
         self.exhausted = state["exhausted"]
-        set_rng_state(self.rng, state["rng"])
+        _rng_from_json(self.rng, state["rng"])
 
 
 def collate(samples):
@@ -1572,13 +1574,13 @@ class Mix(Stage):
         return sample
 
     def state_dict(self):
-        return {"config": self.config, "rng": rng_state(self.rng),
+        return {"config": self.config, "rng": _rng_to_json(self.rng),
                 "upstream": [p.state_dict() for p in self.pipelines],
                 "mixer": self.mixer.state_dict() if self.mixer else None}
 
     def load_state_dict(self, state):
         self._check_config(state["config"])
-        set_rng_state(self.rng, state["rng"])
+        _rng_from_json(self.rng, state["rng"])
         for pipeline, upstream in zip(self.pipelines, state["upstream"]):
             pipeline.load_state_dict(upstream)
         if self.mixer:
@@ -1644,11 +1646,11 @@ def reshard(pipeline, states):
         if isinstance(stage, Shuffle):
             buffer = [sample for i in mine for sample in olds[i]["buffer"]]
             report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
-            rng = set_rng_state(random.Random(), olds[rank % len(olds)]["rng"])
+            rng = _rng_from_json(random.Random(), olds[rank % len(olds)]["rng"])
             if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
                 rng.seed(f"{rng.getrandbits(64)}-{rank}")
             return {"config": stage.config, "upstream": merge(stage.src, ups), "buffer": buffer,
-                    "exhausted": False, "rng": rng_state(rng)}
+                    "exhausted": False, "rng": _rng_to_json(rng)}
         if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
             raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
         # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.
