@@ -87,12 +87,16 @@ class Stage:
                     "Resume with the arguments of the run that saved it.")
 
     def _state(self, **fields):
+        """The config, the stage's own ``fields``, then the upstream state. A stage that works
+        ahead passes ``upstream=`` itself: the state that belongs to its last item handed out.
+        (The key order is the order in the JSON files: keep it.)"""
         state = {"config": self.config, **fields}
-        if self.src is not None:
+        if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
         return state
 
     def _load(self, state):
+        """Checks the config and loads the upstream state; the stage loads its own fields."""
         self._check_config(state.get("config", {}))
         if self.src is not None:
             self.src.load_state_dict(state["upstream"])
@@ -1046,8 +1050,8 @@ class Tokenize(Stage):
 
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
-            return {"config": self.config, "upstream": self.src.state_dict(), "skip": self._skip}
-        return {"config": self.config, "upstream": self._batch_state, "skip": self._pos}
+            return self._state(upstream=self.src.state_dict(), skip=self._skip)
+        return self._state(upstream=self._batch_state, skip=self._pos)
 
     def load_state_dict(self, state):
         self._load(state)
@@ -1461,7 +1465,7 @@ class Prefetch(Stage):
 
     def state_dict(self):
         upstream = self._last_state if self._thread is not None else self.src.state_dict()
-        return {"config": self.config, "upstream": upstream}
+        return self._state(upstream=upstream)
 
     def load_state_dict(self, state):
         if self._thread is not None:
@@ -1574,12 +1578,12 @@ class Mix(Stage):
         return sample
 
     def state_dict(self):
-        return {"config": self.config, "rng": _rng_to_json(self.rng),
-                "upstream": [p.state_dict() for p in self.pipelines],
-                "mixer": self.mixer.state_dict() if self.mixer else None}
+        return self._state(rng=_rng_to_json(self.rng),
+                           upstream=[p.state_dict() for p in self.pipelines],
+                           mixer=self.mixer.state_dict() if self.mixer else None)
 
     def load_state_dict(self, state):
-        self._check_config(state["config"])
+        self._load(state)  # the config (Mix has no src: its upstreams are the domains, below)
         _rng_from_json(self.rng, state["rng"])
         for pipeline, upstream in zip(self.pipelines, state["upstream"]):
             pipeline.load_state_dict(upstream)
