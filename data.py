@@ -73,6 +73,17 @@ class Stage:
     def load_state_dict(self, state):
         self._load(state)
 
+    def reshard_state(self, olds, ctx):
+        """This rank's state, merged from ``olds``: the states of this stage that the ranks of
+        an earlier run saved, in rank order (see reshard; ``ctx`` is its Resharding). A stage
+        with state of its own overrides this; the default passes through a stage whose saved
+        states hold nothing but config and upstream, and refuses any other, so a new stage
+        with state is refused until it says how its state is split."""
+        if self.src is None or {key for old in olds for key in old} - {"config", "upstream"}:
+            raise ValueError(f"reshard: the state of {type(self).__name__} cannot be split "
+                             "across ranks")
+        return self._state(upstream=self._reshard_upstream(olds, ctx))
+
     def close(self):
         """Stop background work here and upstream. Safe to call twice."""
         if self.src is not None:
@@ -100,6 +111,9 @@ class Stage:
         self._check_config(state.get("config", {}))
         if self.src is not None:
             self.src.load_state_dict(state["upstream"])
+
+    def _reshard_upstream(self, olds, ctx):
+        return ctx.merge(self.src, [old["upstream"] for old in olds])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -684,6 +698,17 @@ class Files(Stage):
                 f.close()
         self._files = [None] * len(self.slots)
 
+    def reshard_state(self, olds, ctx):
+        """The slots of every old rank: this rank takes those s = rank (mod world size)."""
+        slots = {s["pos"] % self.n_slots: s for old in olds for s in old["slots"]}
+        keep = sorted(s for s in slots if s % ctx.world_size == ctx.rank)
+        # Where one old rank owned exactly these slots, its round-robin turn carries over.
+        turns = [old["turn"] for old in olds
+                 if [s["pos"] % self.n_slots for s in old["slots"]] == keep]
+        return self._state(turn=turns[0] if turns else 0,
+                           skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
+                           slots=[slots[s] for s in keep])
+
     def advanced(self, state, n, pieces=None):
         """The state ``n`` records after ``state``, which any rank of any world size may have
         saved: resharding uses it to find where a rank's consumer really was. With
@@ -1057,6 +1082,16 @@ class Tokenize(Stage):
         self._load(state)
         self._skip = state["skip"]
 
+    def reshard_state(self, olds, ctx):
+        """Each old rank's Files state, moved on past the documents (pieces) its consumer had
+        been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
+        if not isinstance(self.src, Files):
+            raise ValueError("reshard: Tokenize must read straight from Files")
+        ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
+        advanced = [self.src.advanced(old["upstream"], old["skip"], self.n_pieces)
+                    for old in olds]
+        return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
+
     def close(self):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -1217,6 +1252,12 @@ class ConcatChunk(Stage):
     def load_state_dict(self, state):
         self._load(state)
         self.buf, self.pos = array.array("q", state["rest"]), 0
+
+    def reshard_state(self, olds, ctx):
+        """The leftover tokens of old rank i move to new rank i mod (new world size)."""
+        rest = [t for i in ctx.mine for t in olds[i]["rest"]]
+        ctx.report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in ctx.mine if i != ctx.rank)
+        return self._state(upstream=self._reshard_upstream(olds, ctx), rest=rest)
 
 
 class Pad(Stage):
@@ -1382,6 +1423,18 @@ class Shuffle(Stage):
         self.buffer = [[from_json(s), s] for s in state["buffer"]]
         self.exhausted = state["exhausted"]
         _rng_from_json(self.rng, state["rng"])
+
+    def reshard_state(self, olds, ctx):
+        """The buffer of old rank i moves to new rank i mod (new world size); the RNG goes on
+        from the old rank's of the same number."""
+        buffer = [sample for i in ctx.mine for sample in olds[i]["buffer"]]
+        ctx.report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in ctx.mine
+                                             if i != ctx.rank)
+        rng = _rng_from_json(random.Random(), olds[ctx.rank % len(olds)]["rng"])
+        if ctx.rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
+            rng.seed(f"{rng.getrandbits(64)}-{ctx.rank}")
+        return self._state(upstream=self._reshard_upstream(olds, ctx), buffer=buffer,
+                           exhausted=False, rng=_rng_to_json(rng))
 
 
 def collate(samples):
@@ -1608,8 +1661,9 @@ def reshard(pipeline, states):
     rank that owned it had read (its Tokenize batch re-read only up to the documents it had
     handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
     new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
-    slots and buffers. Stages whose state cannot be split this way (Take, Stride, Chunk, Pack,
-    Sequence) are refused. Returns counts for the log.
+    slots and buffers. Each stage merges its own state (Stage.reshard_state); stages whose
+    state cannot be split this way (Take, Stride, Chunk, Pack, Sequence) are refused. Returns
+    counts for the log.
     """
     files = pipeline
     while not isinstance(files, Files):
@@ -1617,48 +1671,23 @@ def reshard(pipeline, states):
             raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
                              f"number of ranks; this one reads {type(files).__name__}")
         files = files.src
-    rank, world = files.config["rank"], files.config["world_size"]
-    mine = [i for i in range(len(states)) if i % world == rank]  # old ranks whose buffers we get
-    report = {"old_world_size": len(states), "documents_reread": 0, "sequences_moved": 0,
-              "tokens_moved": 0}
+    ctx = Resharding(files.config["rank"], files.config["world_size"], len(states))
+    pipeline.load_state_dict(ctx.merge(pipeline, states))
+    return ctx.report
 
-    def merge(stage, olds):
-        name = type(stage).__name__
-        ups = [o.get("upstream") for o in olds]
+
+class Resharding:
+    """What reshard hands every stage's reshard_state: the new rank and world size, the old
+    ranks whose buffered work moves to this rank (``mine``), and the counts for the log."""
+
+    def __init__(self, rank, world_size, old_world_size):
+        self.rank, self.world_size = rank, world_size
+        self.mine = [i for i in range(old_world_size) if i % world_size == rank]
+        self.report = {"old_world_size": old_world_size, "documents_reread": 0,
+                       "sequences_moved": 0, "tokens_moved": 0}
+
+    def merge(self, stage, olds):
+        """``stage``'s state on this rank, from the states its old ranks saved (``olds``)."""
         for old in olds:  # the arguments that shape the stream, but where each rank reads
             stage._check_config(old.get("config", {}), ignore=("rank", "world_size"))
-        if isinstance(stage, Tokenize):
-            if not isinstance(stage.src, Files):
-                raise ValueError("reshard: Tokenize must read straight from Files")
-            report["documents_reread"] += sum(o["skip"] for o in olds)
-            advanced = [stage.src.advanced(o["upstream"], o["skip"], stage.n_pieces)
-                        for o in olds]
-            return {"config": stage.config, "upstream": merge(stage.src, advanced), "skip": 0}
-        if isinstance(stage, Files):
-            slots = {s["pos"] % stage.n_slots: s for o in olds for s in o["slots"]}
-            keep = sorted(s for s in slots if s % world == rank)
-            # Where one old rank owned exactly these slots, its round-robin turn carries over.
-            turns = [o["turn"] for o in olds
-                     if [s["pos"] % stage.n_slots for s in o["slots"]] == keep]
-            return {"config": stage.config, "turn": turns[0] if turns else 0,
-                    "skipped": sum(o["skipped"] for o in olds) if rank == 0 else 0,
-                    "slots": [slots[s] for s in keep]}
-        if isinstance(stage, ConcatChunk):
-            rest = [t for i in mine for t in olds[i]["rest"]]
-            report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in mine if i != rank)
-            return {"config": stage.config, "upstream": merge(stage.src, ups), "rest": rest}
-        if isinstance(stage, Shuffle):
-            buffer = [sample for i in mine for sample in olds[i]["buffer"]]
-            report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
-            rng = _rng_from_json(random.Random(), olds[rank % len(olds)]["rng"])
-            if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
-                rng.seed(f"{rng.getrandbits(64)}-{rank}")
-            return {"config": stage.config, "upstream": merge(stage.src, ups), "buffer": buffer,
-                    "exhausted": False, "rng": _rng_to_json(rng)}
-        if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
-            raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
-        # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.
-        return {"config": stage.config, "upstream": merge(stage.src, ups)}
-
-    pipeline.load_state_dict(merge(pipeline, states))
-    return report
+        return stage.reshard_state(olds, self)
