@@ -268,6 +268,9 @@ class Files(Stage):
     stages downstream (Tokenize, FormatInstructions) have their needs checked where the
     shard and line are known. A ``.txt`` shard is read like the Hugging Face ``text`` loader
     does: a record ``{"text": line}`` per non-blank line.
+
+    The class keeps the books (splits, slots, epochs, state); reading a split is done by the
+    generators below it (_read_lines, _read_row_groups, _read_array), retries by _Retry.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
@@ -277,19 +280,8 @@ class Files(Stage):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
                              f"of world_size={world_size}, so every rank reads whole slots")
-        self.urls = expand_urls(urls)
-        if format not in (None, "jsonl", "parquet", "text"):
-            raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
-                             "suffix)")
-        self.format = format
-        for url in self.urls:
-            if self._format(url) is None:
-                raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
-                                 f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
-                                 f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
-            if self._format(url) == "parquet" and url.endswith(_COMPRESSED):
-                raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
-                                 "cannot be compressed as a whole (it compresses inside)")
+        self.urls, self.format = expand_urls(urls), format
+        _check_formats(self.urls, format)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
@@ -298,7 +290,7 @@ class Files(Stage):
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.check = check
         self.transport_params = transport_params
-        self.retries, self.retry_delay = retries, retry_delay
+        self.retry = _Retry(retries, retry_delay)
         self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
         self.plan = self.plan_splits()
         self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
@@ -361,13 +353,13 @@ class Files(Stage):
         def attempt():
             if kind == "parquet":
                 with self._open(url) as f:
-                    groups = self._parquet(f, url).num_row_groups
+                    groups = _parquet_file(f, url, self.required_fields).num_row_groups
                     return f.seek(0, os.SEEK_END), groups, max(1, groups)
-            size = self._size(url)
+            size = _size(url, self._open)
             if kind == "array":
                 return size, len(self._array(url)), math.inf
             return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
-        return self._retrying(url, "its size", attempt)
+        return self.retry.run(url, "its size", attempt)
 
     def _too_few_splits(self, world_size):
         n, most = len(self.splits), len(self.splits) // world_size * world_size
@@ -379,46 +371,6 @@ class Files(Stage):
             f"{len(self.urls)} shard(s) can be cut into only {n} input split(s) (a compressed "
             "JSON Lines shard cannot be cut, a Parquet shard only between row groups), fewer "
             f"than the n_active_shards={self.n_slots} slots that must each read one; {fix}.", n)
-
-    def _kind(self, url):
-        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
-        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
-            return kind
-        if self._format(url) in ("parquet", "text"):
-            self._kinds[url] = self._format(url)
-        else:
-            name = url.split("?")[0]
-            for suffix in _COMPRESSED:
-                name = name.removesuffix(suffix)
-            array = self.format is None and name.endswith(".json") and self._retrying(
-                url, "its first byte", lambda: self._first_byte(url) == b"[")
-            self._kinds[url] = "array" if array else "jsonl"
-        return self._kinds[url]
-
-    def _first_byte(self, url):
-        with self._open(url) as f:
-            while chunk := f.read(4096):
-                if rest := chunk.lstrip(b" \t\r\n\xef\xbb\xbf"):  # whitespace, a UTF-8 BOM
-                    return rest[:1]
-        return b""
-
-    def _array(self, url):
-        """The records of a JSON-array shard, parsed whole once (such files are small: they
-        can only be parsed whole) and shared by its splits while slots read it."""
-        if url not in self._arrays:
-            with self._open(url) as f:
-                try:
-                    records = json.load(f)
-                except ValueError as e:
-                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
-            self._arrays[url] = records
-        return self._arrays[url]
-
-    def _size(self, url):
-        if "://" not in url:
-            return os.path.getsize(url)
-        with self._open(url) as f:
-            return f.seek(0, os.SEEK_END)
 
     def _slot(self, pos):
         """A new slot reading the split at position ``pos``, or None past a finite end."""
@@ -436,207 +388,12 @@ class Files(Stage):
         return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
                 "records": 0}
 
-    def _format(self, url):
-        return self.format or shard_format(url)
-
     @property
     def epoch(self):
         """The oldest epoch still being read."""
         return min((s["pos"] // len(self.splits) for s in self.slots), default=0)
 
-    # -- readers: generators of (line or record, where the next one starts) ------------------
-
-    def _open(self, url):
-        params = self.transport_params or {}
-        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
-            params = {"defer_seek": True, **params}
-        return smart_open.open(url, "rb", transport_params=params)
-
-    def _lines(self, slot):
-        """A JSON Lines split, from the slot's offset: the lines that start before its end."""
-        url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
-        with self._open(url) as f:
-            # A local shard's size goes into the state with the first line, and is checked on
-            # every reopen: an offset into a file that has changed since points anywhere.
-            size = os.fstat(f.fileno()).st_size if "://" not in url else None
-            if slot.get("size") not in (None, size):
-                raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
-                                f"bytes then, {size} now. Resuming would read from the wrong "
-                                "places: restore the file, or start a new run on the new data")
-            if offset and url.endswith(_COMPRESSED):
-                # Decompression cannot jump: re-read this shard (and only this one) to offset.
-                if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
-                    raise DataError(f"shard {url} is shorter than the saved offset {offset}")
-            elif offset and offset == slot["start"]:
-                # The line that crosses into this split belongs to the one before: skip to the
-                # first line start at or after `start` (from start - 1, in case it is one).
-                f.seek(offset - 1)
-                offset += len(f.readline()) - 1
-            elif offset:
-                f.seek(offset)
-            if end is None:
-                end = math.inf
-            if offset < end and (text := f.readline()):  # the first line records the size
-                offset, line = offset + len(text), line + 1
-                yield text, {"offset": offset, "line": line, "size": size}
-                while offset < end and (text := f.readline()):
-                    offset, line = offset + len(text), line + 1
-                    yield text, {"offset": offset, "line": line}
-
-    def _parquet(self, f, url):
-        try:
-            parquet = pyarrow.parquet.ParquetFile(f)
-        except pyarrow.ArrowInvalid as e:
-            raise DataError(f"shard {url}: not a Parquet file: {e}") from e
-        columns = parquet.schema_arrow.names
-        if missing := [k for k in self.required_fields if k not in columns]:
-            raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
-        return parquet
-
-    def _rows(self, slot):
-        """A Parquet split, from the slot's row group and row. Only the footer and the row
-        groups from there on are read."""
-        url = slot["url"]
-        with self._open(url) as f:
-            parquet = self._parquet(f, url)
-            line, end = slot["line"], slot["end"]
-            for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
-                table = parquet.read_row_group(group)
-                for start in range(slot["row"] if group == slot["row_group"] else 0,
-                                   table.num_rows, 1024):  # to Python 1024 rows at a time
-                    for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
-                        line += 1
-                        where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
-                        yield record, {"row_group": where[0], "row": where[1], "line": line}
-
-    def _elements(self, slot):
-        """A JSON-array split, from the slot's index."""
-        records = self._array(slot["url"])
-        end = len(records) if slot["end"] is None else slot["end"]
-        for index in range(slot["index"], end):
-            yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
-                                   slot["index"]}
-
-    def _reader(self, slot):
-        kind = self._kind(slot["url"])
-        return (self._rows if kind == "parquet" else self._elements if kind == "array"
-                else self._lines)(dict(slot))  # JSON Lines and text: lines
-
-    def _after_fault(self, error, url, where, n):
-        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
-        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
-        if isinstance(error, DataError):
-            raise error
-        if not is_transient(error):
-            raise _permanent(url, where, error) from error
-        if n == self.retries:
-            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
-                          f"{where}: {error}") from error
-        delay = min(self.retry_delay * 2 ** n, 60)
-        log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
-                    type(error).__name__, error, n + 1, self.retries, delay)
-        time.sleep(delay)
-
-    def _retrying(self, url, where, attempt, reset=None, first=0):
-        """attempt(), again after each transient fault, up to ``retries`` times in all (the
-        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
-        attempt reopens the shard where the slot is."""
-        for n in range(first, self.retries + 1):
-            try:
-                return attempt()
-            except Exception as e:
-                if reset is not None:
-                    reset()
-                self._after_fault(e, url, where, n)
-
-    def _fetch(self, i):
-        """The next (line or record, where the next starts) of slot i, None at the split's end."""
-        url, first = self.slots[i]["url"], 0
-        if self._files[i] is not None:  # the common case: no closures, no retry loop
-            try:
-                return next(self._files[i], None)
-            except Exception as e:  # the reader is finished: give up, or reopen it below
-                self._files[i] = None
-                self._after_fault(e, url, self._where(self.slots[i]), 0)
-                first = 1
-        self._kind(url)  # known before the retries, which must not nest
-
-        def attempt():
-            if self._files[i] is None:
-                self._files[i] = self._reader(self.slots[i])
-            return next(self._files[i], None)
-
-        def reset():
-            self._files[i] = None
-        return self._retrying(url, self._where(self.slots[i]), attempt, reset, first)
-
-    def _where(self, slot):
-        """Where a slot is, cheaply: for retry messages."""
-        if "row_group" in slot:
-            return f"row group {slot['row_group']}, row {slot['row']}"
-        if "index" in slot:
-            return f"record {slot['index']}"
-        return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
-
-    def _position(self, slot):
-        """The line (row, record) of the shard that the slot read last, counted from the
-        shard's start: a split that starts inside it counts the lines before it, once."""
-        url, start = slot["url"], slot["start"]
-        if "index" in slot:
-            return f"record {slot['index']}"
-        if start and (url, start) not in self._bases:
-            def count():
-                if "row_group" in slot:
-                    with self._open(url) as f:
-                        meta = self._parquet(f, url).metadata
-                        return sum(meta.row_group(g).num_rows for g in range(start))
-                with self._open(url) as f:  # the lines before the split's first line
-                    return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1
-            self._bases[url, start] = self._retrying(url, "counting lines", count)
-        line = self._bases.get((url, start), 0) + slot["line"]
-        return f"row {line}" if "row_group" in slot else f"line {line}"
-
     # -- the round-robin -------------------------------------------------------------------
-
-    def _read(self, i):
-        """The next record of slot i, or None at the end of its split."""
-        slot = self.slots[i]
-        kind = self._kind(slot["url"])
-        while (item := self._fetch(i)) is not None:
-            data, where = item
-            slot.update(where)
-            if kind in ("jsonl", "text") and not data.strip():
-                continue  # a blank line is not a record
-            try:
-                record = (json.loads(data) if kind == "jsonl" else {"text": data.decode()
-                          .rstrip("\r\n")} if kind == "text" else data)
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                if missing := _missing(record, self.required_fields):
-                    raise ValueError(f"missing or null field(s) {missing}; it has "
-                                     f"{sorted(k for k in record if record[k] is not None)}")
-                if self.check is not None:
-                    self.check(record)
-                slot["records"] += 1
-                return record
-            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
-                       f"{type(e).__name__}: {e}")
-                if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
-                                    "--skip-bad-records, skips such records)") from e
-                self.skipped += 1
-                log.warning("skipped (%d so far): %s", self.skipped, msg)
-        return None
-
-    def _reachable(self):
-        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
-        else the fixed cycle of positions s, s + S, ... of its slots."""
-        n = len(self.splits)
-        if self.shuffle_shards:
-            return set(self.splits)
-        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
-                for slot in self.slots for k in range(n)}
 
     def __next__(self):
         empties = set()  # splits met empty since the last record: all of them means none
@@ -650,22 +407,8 @@ class Files(Stage):
             if record is not None:
                 self.turn += 1
                 return record
-            # The split is done: the slot moves on to its next split, keeping its turn.
-            done = self.slots[self.turn]
-            self._files[self.turn].close()
-            self._files[self.turn] = None
-            if done["records"] == 0:
-                empties.add((done["url"], done["start"], done["end"]))
-                if self.plan is None or done["end"] is None:  # a whole shard
-                    log.warning("shard %s has no records", done["url"])
-            following = self._slot(done["pos"] + self.n_slots)
-            if following is None:  # this slot has no splits left
-                self.slots.pop(self.turn)
-                self._files.pop(self.turn)
-            else:
-                self.slots[self.turn] = following
-            self._arrays = {url: records for url, records in self._arrays.items()
-                            if any(slot["url"] == url for slot in self.slots)}
+            if (empty := self._next_split(self.turn)) is not None:
+                empties.add(empty)
             current = self._reading = self.epoch
             if self.epochs is None and empties:
                 self._reach = self._reach or self._reachable()
@@ -677,6 +420,94 @@ class Files(Stage):
             raise DataError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
                             f"stream would wait forever ({self.urls[:3]}...)")
         raise StopIteration
+
+    def _next_split(self, i):
+        """Slot i has read its split: it moves on to its next split, keeping its turn, or
+        closes if it has none left. Returns the split if it held no records, else None."""
+        done, empty = self.slots[i], None
+        self._files[i].close()
+        self._files[i] = None
+        if done["records"] == 0:
+            empty = (done["url"], done["start"], done["end"])
+            if self.plan is None or done["end"] is None:  # a whole shard
+                log.warning("shard %s has no records", done["url"])
+        following = self._slot(done["pos"] + self.n_slots)
+        if following is None:  # this slot has no splits left
+            self.slots.pop(i)
+            self._files.pop(i)
+        else:
+            self.slots[i] = following
+        # A JSON array's records are held only while a slot reads it.
+        self._arrays = {url: records for url, records in self._arrays.items()
+                        if any(slot["url"] == url for slot in self.slots)}
+        return empty
+
+    def _reachable(self):
+        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
+        else the fixed cycle of positions s, s + S, ... of its slots."""
+        n = len(self.splits)
+        if self.shuffle_shards:
+            return set(self.splits)
+        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
+                for slot in self.slots for k in range(n)}
+
+    def _read(self, i):
+        """The next record of slot i, or None at the end of its split."""
+        slot = self.slots[i]
+        kind = self._kind(slot["url"])
+        while (item := self._fetch(i)) is not None:
+            data, where = item
+            slot.update(where)
+            if kind in ("jsonl", "text") and not data.strip():
+                continue  # a blank line is not a record
+            try:
+                record = _parse(data, kind, self.required_fields, self.check)
+            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
+                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
+                       f"{type(e).__name__}: {e}")
+                if not self.skip_bad_records:
+                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
+                                    "--skip-bad-records, skips such records)") from e
+                self.skipped += 1
+                log.warning("skipped (%d so far): %s", self.skipped, msg)
+                continue
+            slot["records"] += 1
+            return record
+        return None
+
+    def _fetch(self, i):
+        """The next (line or record, where the next starts) of slot i, None at the split's end.
+        A transient fault reopens the split where the slot is (see _Retry)."""
+        url, first = self.slots[i]["url"], 0
+        if self._files[i] is not None:  # the common case: no closures, no retry loop
+            try:
+                return next(self._files[i], None)
+            except Exception as e:  # the reader is finished: give up, or reopen it below
+                self._files[i] = None
+                self.retry.after_fault(e, url, _where(self.slots[i]), 0)
+                first = 1
+        self._kind(url)  # known before the retries, which must not nest
+
+        def attempt():
+            if self._files[i] is None:
+                self._files[i] = self._reader(self.slots[i])
+            return next(self._files[i], None)
+
+        def reset():
+            self._files[i] = None
+        return self.retry.run(url, _where(self.slots[i]), attempt, reset, first)
+
+    def _reader(self, slot):
+        """A generator of (line or record, where the next one starts) over the slot's split,
+        from where the slot is (it reads a copy of the slot, as it was when opened)."""
+        slot, kind = dict(slot), self._kind(slot["url"])
+        if kind == "parquet":
+            return _read_row_groups(slot, self._open, self.required_fields)
+        if kind == "array":
+            return _read_array(slot, self._array(slot["url"]))
+        return _read_lines(slot, self._open)  # JSON Lines and text: lines
+
+    # -- state -----------------------------------------------------------------------------
 
     def state_dict(self):
         return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
@@ -730,12 +561,235 @@ class Files(Stage):
         finally:
             other.close()
 
+    # -- the shards: how to open them, what kind they are -------------------------------
+
+    def _open(self, url):
+        params = self.transport_params or {}
+        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
+            params = {"defer_seek": True, **params}
+        return smart_open.open(url, "rb", transport_params=params)
+
+    def _format(self, url):
+        return self.format or shard_format(url)
+
+    def _kind(self, url):
+        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
+            return kind
+        if self._format(url) in ("parquet", "text"):
+            self._kinds[url] = self._format(url)
+        else:
+            name = url.split("?")[0]
+            for suffix in _COMPRESSED:
+                name = name.removesuffix(suffix)
+            array = self.format is None and name.endswith(".json") and self.retry.run(
+                url, "its first byte", lambda: _first_byte(url, self._open) == b"[")
+            self._kinds[url] = "array" if array else "jsonl"
+        return self._kinds[url]
+
+    def _array(self, url):
+        """The records of a JSON-array shard, parsed whole once (such files are small: they
+        can only be parsed whole) and shared by its splits while slots read it."""
+        if url not in self._arrays:
+            with self._open(url) as f:
+                try:
+                    records = json.load(f)
+                except ValueError as e:
+                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
+            self._arrays[url] = records
+        return self._arrays[url]
+
+    def _position(self, slot):
+        """The line (row, record) of the shard that the slot read last, counted from the
+        shard's start: a split that starts inside it counts the lines before it, once."""
+        url, start = slot["url"], slot["start"]
+        if "index" in slot:
+            return f"record {slot['index']}"
+        if start and (url, start) not in self._bases:
+            def count():
+                return _lines_before(slot, self._open, self.required_fields)
+            self._bases[url, start] = self.retry.run(url, "counting lines", count)
+        line = self._bases.get((url, start), 0) + slot["line"]
+        return f"row {line}" if "row_group" in slot else f"line {line}"
+
+
+def _check_formats(urls, format):
+    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet)."""
+    if format not in (None, "jsonl", "parquet", "text"):
+        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
+                         "suffix)")
+    for url in urls:
+        if (format or shard_format(url)) is None:
+            raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
+                             f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
+                             f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
+        if (format or shard_format(url)) == "parquet" and url.endswith(_COMPRESSED):
+            raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
+                             "cannot be compressed as a whole (it compresses inside)")
+
+
+def _parse(data, kind, required_fields, check):
+    """A record from what a reader gave (a line of JSON Lines or text, a Parquet row, a JSON
+    array's element), checked; a bad one raises ValueError."""
+    record = (json.loads(data) if kind == "jsonl" else {"text": data.decode().rstrip("\r\n")}
+              if kind == "text" else data)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if missing := _missing(record, required_fields):
+        raise ValueError(f"missing or null field(s) {missing}; it has "
+                         f"{sorted(k for k in record if record[k] is not None)}")
+    if check is not None:
+        check(record)
+    return record
+
+
+def _where(slot):
+    """Where a slot is, cheaply: for retry messages."""
+    if "row_group" in slot:
+        return f"row group {slot['row_group']}, row {slot['row']}"
+    if "index" in slot:
+        return f"record {slot['index']}"
+    return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
+
+
+# -- Files' readers: generators of (line or record, where the next one starts) ----------------
+# Each reads one split from where its slot is; ``open_shard(url)`` opens a shard for bytes.
+
+def _read_lines(slot, open_shard):
+    """A JSON Lines (or text) split, from the slot's offset: the lines that start before its end."""
+    url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
+    with open_shard(url) as f:
+        # A local shard's size goes into the state with the first line, and is checked on
+        # every reopen: an offset into a file that has changed since points anywhere.
+        size = os.fstat(f.fileno()).st_size if "://" not in url else None
+        if slot.get("size") not in (None, size):
+            raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
+                            f"bytes then, {size} now. Resuming would read from the wrong "
+                            "places: restore the file, or start a new run on the new data")
+        if offset and url.endswith(_COMPRESSED):
+            # Decompression cannot jump: re-read this shard (and only this one) to offset.
+            if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
+                raise DataError(f"shard {url} is shorter than the saved offset {offset}")
+        elif offset and offset == slot["start"]:
+            # The line that crosses into this split belongs to the one before: skip to the
+            # first line start at or after `start` (from start - 1, in case it is one).
+            f.seek(offset - 1)
+            offset += len(f.readline()) - 1
+        elif offset:
+            f.seek(offset)
+        if end is None:
+            end = math.inf
+        if offset < end and (text := f.readline()):  # the first line records the size
+            offset, line = offset + len(text), line + 1
+            yield text, {"offset": offset, "line": line, "size": size}
+            while offset < end and (text := f.readline()):
+                offset, line = offset + len(text), line + 1
+                yield text, {"offset": offset, "line": line}
+
+
+def _read_row_groups(slot, open_shard, required_fields):
+    """A Parquet split, from the slot's row group and row. Only the footer and the row
+    groups from there on are read."""
+    url = slot["url"]
+    with open_shard(url) as f:
+        parquet = _parquet_file(f, url, required_fields)
+        line, end = slot["line"], slot["end"]
+        for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
+            table = parquet.read_row_group(group)
+            for start in range(slot["row"] if group == slot["row_group"] else 0,
+                               table.num_rows, 1024):  # to Python 1024 rows at a time
+                for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
+                    line += 1
+                    where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
+                    yield record, {"row_group": where[0], "row": where[1], "line": line}
+
+
+def _read_array(slot, records):
+    """A JSON-array split, from the slot's index; ``records`` is the whole array."""
+    end = len(records) if slot["end"] is None else slot["end"]
+    for index in range(slot["index"], end):
+        yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
+                               slot["index"]}
+
+
+def _parquet_file(f, url, required_fields):
+    """An open Parquet shard, refused if it is not Parquet or lacks a required column."""
+    try:
+        parquet = pyarrow.parquet.ParquetFile(f)
+    except pyarrow.ArrowInvalid as e:
+        raise DataError(f"shard {url}: not a Parquet file: {e}") from e
+    columns = parquet.schema_arrow.names
+    if missing := [k for k in required_fields if k not in columns]:
+        raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
+    return parquet
+
 
 def _chunks(f, n):
     """The first ``n`` bytes of a file, 1 MiB at a time."""
     while n > 0 and (chunk := f.read(min(n, 1 << 20))):
         n -= len(chunk)
         yield chunk
+
+
+def _first_byte(url, open_shard):
+    """A shard's first byte past whitespace and a UTF-8 BOM: b"[" begins a JSON array."""
+    with open_shard(url) as f:
+        while chunk := f.read(4096):
+            if rest := chunk.lstrip(b" \t\r\n\xef\xbb\xbf"):
+                return rest[:1]
+    return b""
+
+
+def _size(url, open_shard):
+    if "://" not in url:
+        return os.path.getsize(url)
+    with open_shard(url) as f:
+        return f.seek(0, os.SEEK_END)
+
+
+def _lines_before(slot, open_shard, required_fields):
+    """The lines (Parquet: rows) of a shard before the slot's split: for line numbers."""
+    url, start = slot["url"], slot["start"]
+    with open_shard(url) as f:
+        if "row_group" in slot:
+            meta = _parquet_file(f, url, required_fields).metadata
+            return sum(meta.row_group(g).num_rows for g in range(start))
+        return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1  # before line 1
+
+
+class _Retry:
+    """Retries of transient faults (see is_transient): at most ``retries`` of them, the n-th
+    after ``delay * 2**n`` seconds (a minute at most). Any other error is raised at once."""
+
+    def __init__(self, retries, delay):
+        self.retries, self.delay = retries, delay
+
+    def after_fault(self, error, url, where, n):
+        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
+        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
+        if isinstance(error, DataError):
+            raise error
+        if not is_transient(error):
+            raise _permanent(url, where, error) from error
+        if n == self.retries:
+            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
+                          f"{where}: {error}") from error
+        delay = min(self.delay * 2 ** n, 60)
+        log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
+                    type(error).__name__, error, n + 1, self.retries, delay)
+        time.sleep(delay)
+
+    def run(self, url, where, attempt, reset=None, first=0):
+        """attempt(), again after each transient fault, up to ``retries`` times in all (the
+        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
+        attempt reopens the shard where the slot is."""
+        for n in range(first, self.retries + 1):
+            try:
+                return attempt()
+            except Exception as e:
+                if reset is not None:
+                    reset()
+                self.after_fault(e, url, where, n)
 
 
 class Sequence(Stage):
