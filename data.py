@@ -13,6 +13,19 @@ would have yielded next. States are plain JSON. Sources resume by seeking, never
     pipe = Prefetch(Batch(pipe, 8))
     batch = next(pipe)              # {"input_ids": LongTensor[8, 1024]}
     state = pipe.state_dict()       # json.dumps(state) works; load it into a new pipeline
+
+The file reads top to bottom in the order a sample meets the stages:
+
+    The stage protocol      Stage (state_dict, load_state_dict, reshard_state), the errors
+    Sources                 Files, then its readers (byte ranges, Parquet row groups, JSON
+                            arrays) and its retries; HFDataset, Sequence
+    Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
+    Fine-tuning (SFT)       FormatInstructions, Pack, Pad
+    Batching, prefetching   collate, Batch, Prefetch
+    Mixing domains          OnlineMixer, Mix
+    Resharding              reshard: the states of W ranks loaded into one of W' ranks
+    Other stages            Map, Filter, Take, Stride, Chunk: not in train_llm.py's pipelines
+                            (it only cuts validation short with Take)
 """
 
 import array
@@ -39,26 +52,23 @@ import torch
 log = logging.getLogger("data")
 
 
-def _rng_to_json(rng):
-    """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
-    global RNGs of torch, numpy and Python for a checkpoint.)"""
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def _rng_from_json(rng, state):
-    """Sets a random.Random to a state that _rng_to_json made; returns it."""
-    version, internal, gauss = state
-    rng.setstate((version, tuple(internal), gauss))
-    return rng
-
+# ----------------------------------------------------------------------------------------------
+# The stage protocol (DESIGN.md section 2)
+# ----------------------------------------------------------------------------------------------
 
 class Stage:
-    """What every stage shares: iteration, close(), and the config fingerprint check.
+    """What every stage shares: iteration, close(), the config fingerprint check, and the
+    state of a stage without state of its own (its config and its upstream's state).
 
     ``config`` holds the arguments that shape the stream. It is saved with the state, and a
     state saved under another config is refused: silently resuming a different stream is the
     worst kind of bug, because training goes on and nobody notices.
+
+    A stage with state of its own (a position, a buffer, an RNG) overrides three methods side
+    by side: ``state_dict`` (built with ``_state(**fields)``), ``load_state_dict`` (``_load``
+    first), and ``reshard_state(olds, ctx)``, which merges the states that the ranks of an
+    earlier run saved into this rank's (see reshard), or refuses. A stage that forgets the
+    third is refused by reshard, never mishandled.
     """
 
     src = None
@@ -67,7 +77,7 @@ class Stage:
     def __iter__(self):
         return self
 
-    def state_dict(self):  # stages with state of their own extend these two
+    def state_dict(self):
         return self._state()
 
     def load_state_dict(self, state):
@@ -116,21 +126,35 @@ class Stage:
         return ctx.merge(self.src, [old["upstream"] for old in olds])
 
 
-# ----------------------------------------------------------------------------------------------
-# Sources
-# ----------------------------------------------------------------------------------------------
-
-_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-            ".txt": "text"}
-
-
 class DataError(ValueError):
     """Bad input: the message names the shard (or dataset) and where in it."""
 
 
 class ConfigMismatch(ValueError):
     """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
+
+
+def _rng_to_json(rng):
+    """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
+    global RNGs of torch, numpy and Python for a checkpoint.)"""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(rng, state):
+    """Sets a random.Random to a state that _rng_to_json made; returns it."""
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+    return rng
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: Files (its readers and retries follow it), HFDataset, Sequence
+# ----------------------------------------------------------------------------------------------
+
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+            ".txt": "text"}
 
 
 def shard_format(url):
@@ -161,61 +185,6 @@ def expand_urls(urls):
                 raise FileNotFoundError(f"no files match {url!r}")
             out.extend(found)
     return out
-
-
-# Network faults worth retrying, matched by class name so that data.py need not import every
-# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
-_TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
-              "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
-              "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
-              "EndpointConnectionError"}
-_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
-                       "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
-
-
-def _causes(error):
-    """The error and what caused it, in turn: smart_open wraps the SDKs' errors in its own."""
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def _http_status(error):
-    """The HTTP status that an error (or one of its causes) reports, else None."""
-    for e in _causes(error):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):  # botocore's ClientError
-            if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
-                return 503
-            return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if getattr(response, "status_code", None) is not None:  # requests' HTTPError
-            return response.status_code
-    return None
-
-
-def is_transient(error):
-    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
-    denied access, a certificate problem or bad data, which no retry mends."""
-    status = _http_status(error)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
-    names = {c.__name__ for e in _causes(error) for c in type(e).__mro__}
-    return "SSLError" not in names and bool(names & _TRANSIENT)
-
-
-def _permanent(url, where, error):
-    """The error to raise for a shard that cannot be read, naming it and why."""
-    status, text = _http_status(error), f"{type(error).__name__}: {error}"
-    if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
-        return FileNotFoundError(f"shard {url} does not exist ({text})")
-    if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
-        return PermissionError(f"shard {url}: access denied ({text})")
-    return OSError(f"shard {url}: read failed after {where}: {text}")
-
-
-def _missing(record, fields):
-    """The required fields a record lacks: absent, or null (JSON null, a Parquet null)."""
-    return [k for k in fields if record.get(k) is None]
 
 
 class SplitError(ValueError):
@@ -290,7 +259,7 @@ class Files(Stage):
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.check = check
         self.transport_params = transport_params
-        self.retry = _Retry(retries, retry_delay)
+        self._retry = _Retry(retries, retry_delay)
         self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
         self.plan = self.plan_splits()
         self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
@@ -359,7 +328,7 @@ class Files(Stage):
             if kind == "array":
                 return size, len(self._array(url)), math.inf
             return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
-        return self.retry.run(url, "its size", attempt)
+        return self._retry.run(url, "its size", attempt)
 
     def _too_few_splits(self, world_size):
         n, most = len(self.splits), len(self.splits) // world_size * world_size
@@ -484,7 +453,7 @@ class Files(Stage):
                 return next(self._files[i], None)
             except Exception as e:  # the reader is finished: give up, or reopen it below
                 self._files[i] = None
-                self.retry.after_fault(e, url, _where(self.slots[i]), 0)
+                self._retry.after_fault(e, url, _where(self.slots[i]), 0)
                 first = 1
         self._kind(url)  # known before the retries, which must not nest
 
@@ -495,7 +464,7 @@ class Files(Stage):
 
         def reset():
             self._files[i] = None
-        return self.retry.run(url, _where(self.slots[i]), attempt, reset, first)
+        return self._retry.run(url, _where(self.slots[i]), attempt, reset, first)
 
     def _reader(self, slot):
         """A generator of (line or record, where the next one starts) over the slot's split,
@@ -561,7 +530,7 @@ class Files(Stage):
         finally:
             other.close()
 
-    # -- the shards: how to open them, what kind they are -------------------------------
+    # -- the shards: how to open them, what kind they are ----------------------------------
 
     def _open(self, url):
         params = self.transport_params or {}
@@ -582,7 +551,7 @@ class Files(Stage):
             name = url.split("?")[0]
             for suffix in _COMPRESSED:
                 name = name.removesuffix(suffix)
-            array = self.format is None and name.endswith(".json") and self.retry.run(
+            array = self.format is None and name.endswith(".json") and self._retry.run(
                 url, "its first byte", lambda: _first_byte(url, self._open) == b"[")
             self._kinds[url] = "array" if array else "jsonl"
         return self._kinds[url]
@@ -608,7 +577,7 @@ class Files(Stage):
         if start and (url, start) not in self._bases:
             def count():
                 return _lines_before(slot, self._open, self.required_fields)
-            self._bases[url, start] = self.retry.run(url, "counting lines", count)
+            self._bases[url, start] = self._retry.run(url, "counting lines", count)
         line = self._bases.get((url, start), 0) + slot["line"]
         return f"row {line}" if "row_group" in slot else f"line {line}"
 
@@ -619,11 +588,11 @@ def _check_formats(urls, format):
         raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
                          "suffix)")
     for url in urls:
-        if (format or shard_format(url)) is None:
+        if (kind := format or shard_format(url)) is None:
             raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
                              f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
                              f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
-        if (format or shard_format(url)) == "parquet" and url.endswith(_COMPRESSED):
+        if kind == "parquet" and url.endswith(_COMPRESSED):
             raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
                              "cannot be compressed as a whole (it compresses inside)")
 
@@ -643,6 +612,11 @@ def _parse(data, kind, required_fields, check):
     return record
 
 
+def _missing(record, fields):
+    """The required fields a record lacks: absent, or null (JSON null, a Parquet null)."""
+    return [k for k in fields if record.get(k) is None]
+
+
 def _where(slot):
     """Where a slot is, cheaply: for retry messages."""
     if "row_group" in slot:
@@ -652,7 +626,7 @@ def _where(slot):
     return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
 
 
-# -- Files' readers: generators of (line or record, where the next one starts) ----------------
+# -- Files' readers: generators of (line or record, where the next one starts) -----------------
 # Each reads one split from where its slot is; ``open_shard(url)`` opens a shard for bytes.
 
 def _read_lines(slot, open_shard):
@@ -757,6 +731,58 @@ def _lines_before(slot, open_shard, required_fields):
         return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1  # before line 1
 
 
+# -- Retries: a transient network fault is retried, anything else fails at once ----------------
+
+# Network faults worth retrying, matched by class name so that data.py need not import every
+# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
+_TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
+              "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
+              "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
+              "EndpointConnectionError"}
+_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
+                       "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
+
+
+def _causes(error):
+    """The error and what caused it, in turn: smart_open wraps the SDKs' errors in its own."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _http_status(error):
+    """The HTTP status that an error (or one of its causes) reports, else None."""
+    for e in _causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+                return 503
+            return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if getattr(response, "status_code", None) is not None:  # requests' HTTPError
+            return response.status_code
+    return None
+
+
+def is_transient(error):
+    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
+    denied access, a certificate problem or bad data, which no retry mends."""
+    status = _http_status(error)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    names = {c.__name__ for e in _causes(error) for c in type(e).__mro__}
+    return "SSLError" not in names and bool(names & _TRANSIENT)
+
+
+def _permanent(url, where, error):
+    """The error to raise for a shard that cannot be read, naming it and why."""
+    status, text = _http_status(error), f"{type(error).__name__}: {error}"
+    if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
+        return FileNotFoundError(f"shard {url} does not exist ({text})")
+    if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
+        return PermissionError(f"shard {url}: access denied ({text})")
+    return OSError(f"shard {url}: read failed after {where}: {text}")
+
+
 class _Retry:
     """Retries of transient faults (see is_transient): at most ``retries`` of them, the n-th
     after ``delay * 2**n`` seconds (a minute at most). Any other error is raised at once."""
@@ -792,42 +818,7 @@ class _Retry:
                 self.after_fault(e, url, where, n)
 
 
-class Sequence(Stage):
-    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
-
-    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
-        self.items = list(items)
-        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
-        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
-                       "seed": seed}
-        self.epoch, self.pos = 0, 0
-        self._order = self._make_order(0)
-
-    def _make_order(self, epoch):
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
-
-    def __next__(self):
-        if self.pos == len(self.items):
-            if not self.repeat or not self.items:
-                raise StopIteration
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._make_order(self.epoch)
-        item = self.items[self._order[self.pos]]
-        self.pos += 1
-        # A copy, because later stages add keys and the next epoch must see the original.
-        return dict(item) if isinstance(item, dict) else item
-
-    def state_dict(self):
-        return self._state(epoch=self.epoch, pos=self.pos)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._make_order(self.epoch)
-
+# -- The other sources -------------------------------------------------------------------------
 
 class HFDataset(Stage):
     """A Hugging Face ``datasets`` dataset as a source, read once or, with ``repeat``, for
@@ -930,75 +921,46 @@ class HFDataset(Stage):
             self.dataset.load_state_dict(self._resumed)
 
 
-# ----------------------------------------------------------------------------------------------
-# Transforms
-# ----------------------------------------------------------------------------------------------
+class Sequence(Stage):
+    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
 
-class Map(Stage):
-    """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
+    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
+        self.items = list(items)
+        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
+        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
+                       "seed": seed}
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order(0)
 
-    def __init__(self, src, fn):
-        self.src, self.fn = src, fn
-
-    def __next__(self):
-        return self.fn(next(self.src))
-
-
-class Filter(Map):
-    """Keeps the samples for which ``fn`` is true."""
-
-    def __next__(self):
-        while True:
-            sample = next(self.src)
-            if self.fn(sample):
-                return sample
-
-
-class Take(Stage):
-    """The first ``n`` samples."""
-
-    def __init__(self, src, n):
-        self.src, self.n, self.count = src, n, 0
-        self.config = {"n": n}
+    def _make_order(self, epoch):
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
 
     def __next__(self):
-        if self.count >= self.n:
-            raise StopIteration
-        sample = next(self.src)
-        self.count += 1
-        return sample
+        if self.pos == len(self.items):
+            if not self.repeat or not self.items:
+                raise StopIteration
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order(self.epoch)
+        item = self.items[self._order[self.pos]]
+        self.pos += 1
+        # A copy, because later stages add keys and the next epoch must see the original.
+        return dict(item) if isinstance(item, dict) else item
 
     def state_dict(self):
-        return self._state(count=self.count)
+        return self._state(epoch=self.epoch, pos=self.pos)
 
     def load_state_dict(self, state):
         self._load(state)
-        self.count = state["count"]
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._make_order(self.epoch)
 
 
-class Stride(Stage):
-    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
-
-    def __init__(self, src, offset, interval):
-        if not 0 <= offset < interval:
-            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
-        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
-        self.config = {"offset": offset, "interval": interval}
-
-    def __next__(self):
-        while True:
-            sample = next(self.src)
-            self.index += 1
-            if (self.index - 1) % self.interval == self.offset:
-                return sample
-
-    def state_dict(self):
-        return self._state(index=self.index)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.index = state["index"]
-
+# ----------------------------------------------------------------------------------------------
+# Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle
+# ----------------------------------------------------------------------------------------------
 
 class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
@@ -1153,72 +1115,6 @@ class Tokenize(Stage):
         super().close()
 
 
-# The layout of an instruction record ("### " headers, as in Alpaca-style data sets). The
-# response follows the prompt directly; only the response's tokens are trained on.
-PROMPT = "{preamble}### Instruction:\n{instruction}\n\n### Response:\n"
-PROMPT_WITH_INPUT = ("{preamble}### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
-                     "### Response:\n")
-PREAMBLE = "Answer the instruction below.\n\n"
-
-
-class FormatInstructions(Stage):
-    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only.
-
-    A record with ``instruction``, ``output`` and an optional ``input`` is laid out with
-    PROMPT / PROMPT_WITH_INPUT. A record with ``messages`` ([{"role", "content"}, ...], the
-    last one the assistant's) goes through the tokenizer's chat template instead. The prompt's
-    labels are ``label_pad_id`` (-100, which the loss ignores): the model learns to answer,
-    not to ask. With the template, BOS starts and EOS ends the sample (a chat template decides
-    for itself), so a packed sequence keeps samples apart.
-    """
-
-    def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
-        self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
-        self.label_pad_id = label_pad_id
-        self.config = {"tokenizer": getattr(tokenizer, "name_or_path", ""), "preamble": preamble,
-                       "label_pad_id": label_pad_id}
-
-    def _encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    @staticmethod
-    def check_record(record):
-        """What FormatInstructions needs of a record: for Files(check=...), which names shard
-        and line."""
-        if "messages" in record:
-            if not isinstance(record["messages"], list) or not record["messages"]:
-                raise ValueError("'messages' must be a non-empty list of {role, content}")
-        elif not isinstance(record.get("instruction"), str) or not isinstance(
-                record.get("output"), str):
-            raise ValueError("an instruction record needs string fields 'instruction' and "
-                             f"'output' (or a list 'messages'); it has {sorted(record)}")
-
-    def __next__(self):
-        record = next(self.src)
-        self.check_record(record)
-        if "messages" in record:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("FormatInstructions: a record has 'messages' but the tokenizer "
-                                 "has no chat template")
-            messages = record["messages"]
-            prompt = list(self.tokenizer.apply_chat_template(
-                messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False))
-            ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True,
-                                                          return_dict=False))
-            if ids[:len(prompt)] != prompt:
-                raise ValueError("FormatInstructions: the chat template renders the prompt "
-                                 "differently inside the whole conversation; cannot mask it")
-        else:
-            template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
-            text = template.format(preamble=self.preamble, instruction=record["instruction"],
-                                   input=record.get("input", ""))
-            bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-            prompt = ([bos] if bos is not None else []) + self._encode(text)
-            ids = prompt + self._encode(record["output"]) + ([eos] if eos is not None else [])
-        labels = [self.label_pad_id] * len(prompt) + ids[len(prompt):]
-        return {"input_ids": ids, "labels": labels}
-
-
 class EnsureBosEos(Stage):
     """Makes every document start with BOS and end with EOS, so documents stay separable.
 
@@ -1247,35 +1143,6 @@ def as_tensor(ids):
     """A 1-D long tensor of an ``array('q')`` slice: a memory copy, where torch.tensor() on a
     list of ints walks the list object by object (about 3x slower, with the GIL held)."""
     return torch.frombuffer(ids, dtype=torch.long) if len(ids) else torch.zeros(0, dtype=torch.long)
-
-
-class Chunk(Stage):
-    """Cuts each document on its own into pieces of ``length`` tokens.
-
-    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
-    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
-    """
-
-    def __init__(self, src, length, *, drop_remainder=True):
-        self.src, self.length, self.drop_remainder = src, length, drop_remainder
-        self.config = {"length": length, "drop_remainder": drop_remainder}
-        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
-
-    def __next__(self):
-        while True:
-            left = len(self.doc) - self.pos
-            if left >= self.length or (left > 0 and not self.drop_remainder):
-                piece = self.doc[self.pos:self.pos + self.length]
-                self.pos += len(piece)
-                return {"input_ids": as_tensor(piece)}
-            self.doc, self.pos = array.array("q", next(self.src)["input_ids"]), 0
-
-    def state_dict(self):
-        return self._state(rest=self.doc[self.pos:].tolist())
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.doc, self.pos = array.array("q", state["rest"]), 0
 
 
 class ConcatChunk(Stage):
@@ -1312,107 +1179,6 @@ class ConcatChunk(Stage):
         rest = [t for i in ctx.mine for t in olds[i]["rest"]]
         ctx.report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in ctx.mine if i != ctx.rank)
         return self._state(upstream=self._reshard_upstream(olds, ctx), rest=rest)
-
-
-class Pad(Stage):
-    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
-
-    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
-    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
-    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
-    an error unless ``truncate=True``.
-    """
-
-    def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
-        self.src, self.length, self.pad_id = src, length, pad_id
-        self.label_pad_id, self.truncate = label_pad_id, truncate
-        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
-                       "truncate": truncate}
-
-    def __next__(self):
-        ids, labels = _ids_and_labels(next(self.src))
-        if len(ids) > self.length:
-            if not self.truncate:
-                raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
-                                 f"length={self.length}; pass truncate=True to cut such samples")
-            ids, labels = ids[:self.length], labels[:self.length]
-        return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
-
-
-class Pack(Stage):
-    """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
-
-    A sample is never split: when the next one does not fit, the sequence is padded and the
-    sample starts the next one (it waits in the state). An over-long sample is truncated, or
-    dropped (and counted) with ``discard_long=True``. ``position_ids`` restart at 0 for every
-    packed sample, so attention that supports packing can keep samples apart; the first label
-    of each sample is ``label_pad_id``, so no sample is trained to predict the next one's start.
-    """
-
-    def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
-        self.src, self.length, self.pad_id = src, length, pad_id
-        self.label_pad_id, self.discard_long = label_pad_id, discard_long
-        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
-                       "discard_long": discard_long}
-        self.pending = None  # [ids, labels] of the sample that did not fit the last sequence
-        self.discarded = 0
-
-    def _next_sample(self):
-        while True:
-            ids, labels = _ids_and_labels(next(self.src))
-            if len(ids) <= self.length:
-                return [ids, labels]
-            if not self.discard_long:
-                return [ids[:self.length], labels[:self.length]]
-            self.discarded += 1
-            log.warning("Pack: dropped a sample of %d tokens (> %d); %d so far", len(ids),
-                        self.length, self.discarded)
-
-    def __next__(self):
-        ids, labels, positions = [], [], []
-        while True:
-            if self.pending is None:
-                try:
-                    self.pending = self._next_sample()
-                except StopIteration:
-                    if not ids:
-                        raise
-                    break
-            sample_ids, sample_labels = self.pending
-            if len(ids) + len(sample_ids) > self.length:
-                break
-            ids += sample_ids
-            labels += ([self.label_pad_id] + sample_labels[1:]) if sample_labels else []
-            positions += range(len(sample_ids))
-            self.pending = None
-        out = _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
-        out["position_ids"] = torch.tensor(positions + [0] * (self.length - len(ids)))
-        return out
-
-    def state_dict(self):
-        return self._state(pending=self.pending, discarded=self.discarded)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.pending, self.discarded = state["pending"], state["discarded"]
-
-
-def _padded(ids, labels, length, pad_id, label_pad_id):
-    """input_ids, attention_mask and labels of one sequence, padded to ``length``."""
-    pad = length - len(ids)
-    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
-            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-            "labels": torch.tensor(labels + [label_pad_id] * pad)}
-
-
-def _ids_and_labels(sample):
-    ids = sample["input_ids"]
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    labels = sample.get("labels", ids)
-    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
-    if len(labels) != len(ids):
-        raise ValueError(f"a sample has {len(ids)} input_ids but {len(labels)} labels")
-    return ids, labels
 
 
 def to_json(sample):
@@ -1490,6 +1256,181 @@ class Shuffle(Stage):
         return self._state(upstream=self._reshard_upstream(olds, ctx), buffer=buffer,
                            exhausted=False, rng=_rng_to_json(rng))
 
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning on instructions (SFT): FormatInstructions, Pack, Pad
+# ----------------------------------------------------------------------------------------------
+
+# The layout of an instruction record ("### " headers, as in Alpaca-style data sets). The
+# response follows the prompt directly; only the response's tokens are trained on.
+PROMPT = "{preamble}### Instruction:\n{instruction}\n\n### Response:\n"
+PROMPT_WITH_INPUT = ("{preamble}### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
+                     "### Response:\n")
+PREAMBLE = "Answer the instruction below.\n\n"
+
+
+class FormatInstructions(Stage):
+    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only.
+
+    A record with ``instruction``, ``output`` and an optional ``input`` is laid out with
+    PROMPT / PROMPT_WITH_INPUT. A record with ``messages`` ([{"role", "content"}, ...], the
+    last one the assistant's) goes through the tokenizer's chat template instead. The prompt's
+    labels are ``label_pad_id`` (-100, which the loss ignores): the model learns to answer,
+    not to ask. With the template, BOS starts and EOS ends the sample (a chat template decides
+    for itself), so a packed sequence keeps samples apart.
+    """
+
+    def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
+        self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
+        self.label_pad_id = label_pad_id
+        self.config = {"tokenizer": getattr(tokenizer, "name_or_path", ""), "preamble": preamble,
+                       "label_pad_id": label_pad_id}
+
+    def _encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def check_record(record):
+        """What FormatInstructions needs of a record: for Files(check=...), which names shard
+        and line."""
+        if "messages" in record:
+            if not isinstance(record["messages"], list) or not record["messages"]:
+                raise ValueError("'messages' must be a non-empty list of {role, content}")
+        elif not isinstance(record.get("instruction"), str) or not isinstance(
+                record.get("output"), str):
+            raise ValueError("an instruction record needs string fields 'instruction' and "
+                             f"'output' (or a list 'messages'); it has {sorted(record)}")
+
+    def __next__(self):
+        record = next(self.src)
+        self.check_record(record)
+        if "messages" in record:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("FormatInstructions: a record has 'messages' but the tokenizer "
+                                 "has no chat template")
+            messages = record["messages"]
+            prompt = list(self.tokenizer.apply_chat_template(
+                messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False))
+            ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True,
+                                                          return_dict=False))
+            if ids[:len(prompt)] != prompt:
+                raise ValueError("FormatInstructions: the chat template renders the prompt "
+                                 "differently inside the whole conversation; cannot mask it")
+        else:
+            template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
+            text = template.format(preamble=self.preamble, instruction=record["instruction"],
+                                   input=record.get("input", ""))
+            bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
+            prompt = ([bos] if bos is not None else []) + self._encode(text)
+            ids = prompt + self._encode(record["output"]) + ([eos] if eos is not None else [])
+        labels = [self.label_pad_id] * len(prompt) + ids[len(prompt):]
+        return {"input_ids": ids, "labels": labels}
+
+
+def _ids_and_labels(sample):
+    ids = sample["input_ids"]
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    labels = sample.get("labels", ids)
+    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
+    if len(labels) != len(ids):
+        raise ValueError(f"a sample has {len(ids)} input_ids but {len(labels)} labels")
+    return ids, labels
+
+
+def _padded(ids, labels, length, pad_id, label_pad_id):
+    """input_ids, attention_mask and labels of one sequence, padded to ``length``."""
+    pad = length - len(ids)
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            "labels": torch.tensor(labels + [label_pad_id] * pad)}
+
+
+class Pack(Stage):
+    """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
+
+    A sample is never split: when the next one does not fit, the sequence is padded and the
+    sample starts the next one (it waits in the state). An over-long sample is truncated, or
+    dropped (and counted) with ``discard_long=True``. ``position_ids`` restart at 0 for every
+    packed sample, so attention that supports packing can keep samples apart; the first label
+    of each sample is ``label_pad_id``, so no sample is trained to predict the next one's start.
+    """
+
+    def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
+        self.src, self.length, self.pad_id = src, length, pad_id
+        self.label_pad_id, self.discard_long = label_pad_id, discard_long
+        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
+                       "discard_long": discard_long}
+        self.pending = None  # [ids, labels] of the sample that did not fit the last sequence
+        self.discarded = 0
+
+    def _next_sample(self):
+        while True:
+            ids, labels = _ids_and_labels(next(self.src))
+            if len(ids) <= self.length:
+                return [ids, labels]
+            if not self.discard_long:
+                return [ids[:self.length], labels[:self.length]]
+            self.discarded += 1
+            log.warning("Pack: dropped a sample of %d tokens (> %d); %d so far", len(ids),
+                        self.length, self.discarded)
+
+    def __next__(self):
+        ids, labels, positions = [], [], []
+        while True:
+            if self.pending is None:
+                try:
+                    self.pending = self._next_sample()
+                except StopIteration:
+                    if not ids:
+                        raise
+                    break
+            sample_ids, sample_labels = self.pending
+            if len(ids) + len(sample_ids) > self.length:
+                break
+            ids += sample_ids
+            labels += ([self.label_pad_id] + sample_labels[1:]) if sample_labels else []
+            positions += range(len(sample_ids))
+            self.pending = None
+        out = _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
+        out["position_ids"] = torch.tensor(positions + [0] * (self.length - len(ids)))
+        return out
+
+    def state_dict(self):
+        return self._state(pending=self.pending, discarded=self.discarded)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.pending, self.discarded = state["pending"], state["discarded"]
+
+
+class Pad(Stage):
+    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
+
+    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
+    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
+    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
+    an error unless ``truncate=True``.
+    """
+
+    def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
+        self.src, self.length, self.pad_id = src, length, pad_id
+        self.label_pad_id, self.truncate = label_pad_id, truncate
+        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
+                       "truncate": truncate}
+
+    def __next__(self):
+        ids, labels = _ids_and_labels(next(self.src))
+        if len(ids) > self.length:
+            if not self.truncate:
+                raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
+                                 f"length={self.length}; pass truncate=True to cut such samples")
+            ids, labels = ids[:self.length], labels[:self.length]
+        return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching and prefetching: collate, Batch, Prefetch
+# ----------------------------------------------------------------------------------------------
 
 def collate(samples):
     """Stacks the tensors of a list of samples; other fields become lists."""
@@ -1592,7 +1533,7 @@ class Prefetch(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Mixing domains
+# Mixing domains: OnlineMixer, Mix
 # ----------------------------------------------------------------------------------------------
 
 class OnlineMixer:
@@ -1703,7 +1644,7 @@ class Mix(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Resuming on another number of ranks
+# Resuming on another number of ranks: reshard (DESIGN.md section 4)
 # ----------------------------------------------------------------------------------------------
 
 def reshard(pipeline, states):
@@ -1745,3 +1686,102 @@ class Resharding:
         for old in olds:  # the arguments that shape the stream, but where each rank reads
             stage._check_config(old.get("config", {}), ignore=("rank", "world_size"))
         return stage.reshard_state(olds, self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages outside the trainer's pipelines: Map, Filter, Take, Stride, Chunk
+# ----------------------------------------------------------------------------------------------
+
+class Map(Stage):
+    """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
+
+    def __init__(self, src, fn):
+        self.src, self.fn = src, fn
+
+    def __next__(self):
+        return self.fn(next(self.src))
+
+
+class Filter(Map):
+    """Keeps the samples for which ``fn`` is true."""
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            if self.fn(sample):
+                return sample
+
+
+class Take(Stage):
+    """The first ``n`` samples."""
+
+    def __init__(self, src, n):
+        self.src, self.n, self.count = src, n, 0
+        self.config = {"n": n}
+
+    def __next__(self):
+        if self.count >= self.n:
+            raise StopIteration
+        sample = next(self.src)
+        self.count += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(count=self.count)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.count = state["count"]
+
+
+class Stride(Stage):
+    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
+
+    def __init__(self, src, offset, interval):
+        if not 0 <= offset < interval:
+            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
+        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
+        self.config = {"offset": offset, "interval": interval}
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            self.index += 1
+            if (self.index - 1) % self.interval == self.offset:
+                return sample
+
+    def state_dict(self):
+        return self._state(index=self.index)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.index = state["index"]
+
+
+class Chunk(Stage):
+    """Cuts each document on its own into pieces of ``length`` tokens.
+
+    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
+    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
+    """
+
+    def __init__(self, src, length, *, drop_remainder=True):
+        self.src, self.length, self.drop_remainder = src, length, drop_remainder
+        self.config = {"length": length, "drop_remainder": drop_remainder}
+        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
+
+    def __next__(self):
+        while True:
+            left = len(self.doc) - self.pos
+            if left >= self.length or (left > 0 and not self.drop_remainder):
+                piece = self.doc[self.pos:self.pos + self.length]
+                self.pos += len(piece)
+                return {"input_ids": as_tensor(piece)}
+            self.doc, self.pos = array.array("q", next(self.src)["input_ids"]), 0
+
+    def state_dict(self):
+        return self._state(rest=self.doc[self.pos:].tolist())
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.doc, self.pos = array.array("q", state["rest"]), 0
