@@ -1656,9 +1656,11 @@ def reshard(pipeline, states):
     rank that owned it had read (its Tokenize batch re-read only up to the documents it had
     handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
     new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
-    slots and buffers. Each stage merges its own state (Stage.reshard_state); stages whose
-    state cannot be split this way (Take, Stride, Chunk, Pack, Sequence) are refused. Returns
-    counts for the log.
+    slots and buffers. reshard finds the pipeline's Files (which knows the new rank and world
+    size) and asks the top stage for its merged state; each stage merges its own fields and
+    asks its upstream in turn (Stage.reshard_state, Resharding.merge). Stages whose state
+    cannot be split this way (Take, Stride, Chunk, Pack, Sequence) keep the default
+    reshard_state, which refuses them. Returns counts for the log.
     """
     files = pipeline
     while not isinstance(files, Files):
