@@ -123,6 +123,7 @@ class Stage:
             self.src.load_state_dict(state["upstream"])
 
     def _reshard_upstream(self, olds, ctx):
+        """The upstream's state on this rank, merged from the old ranks' (for reshard_state)."""
         return ctx.merge(self.src, [old["upstream"] for old in olds])
 
 
