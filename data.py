@@ -13,6 +13,19 @@ would have yielded next. States are plain JSON. Sources resume by seeking, never
     pipe = Prefetch(Batch(pipe, 8))
     batch = next(pipe)              # {"input_ids": LongTensor[8, 1024]}
     state = pipe.state_dict()       # json.dumps(state) works; load it into a new pipeline
+
+The file reads top to bottom in the order a sample meets the stages:
+
+    The stage protocol      Stage (state_dict, load_state_dict, reshard_state), the errors
+    Sources                 Files, then its readers (byte ranges, Parquet row groups, JSON
+                            arrays) and its retries; HFDataset, Sequence
+    Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
+    Fine-tuning (SFT)       FormatInstructions, Pack, Pad
+    Batching, prefetching   collate, Batch, Prefetch
+    Mixing domains          OnlineMixer, Mix
+    Resharding              reshard: the states of W ranks loaded into one of W' ranks
+    Other stages            Map, Filter, Take, Stride, Chunk: not in train_llm.py's pipelines
+                            (it only cuts validation short with Take)
 """
 
 import array
@@ -39,24 +52,23 @@ import torch
 log = logging.getLogger("data")
 
 
-def rng_state(rng):
-    """A random.Random's state as JSON-able lists."""
-    version, internal, gauss = rng.getstate()
-    return [version, list(internal), gauss]
-
-
-def set_rng_state(rng, state):
-    version, internal, gauss = state
-    rng.setstate((version, tuple(internal), gauss))
-    return rng
-
+# ----------------------------------------------------------------------------------------------
+# The stage protocol (DESIGN.md section 2)
+# ----------------------------------------------------------------------------------------------
 
 class Stage:
-    """What every stage shares: iteration, close(), and the config fingerprint check.
+    """What every stage shares: iteration, close(), the config fingerprint check, and the
+    state of a stage without state of its own (its config and its upstream's state).
 
     ``config`` holds the arguments that shape the stream. It is saved with the state, and a
     state saved under another config is refused: silently resuming a different stream is the
     worst kind of bug, because training goes on and nobody notices.
+
+    A stage with state of its own (a position, a buffer, an RNG) overrides three methods side
+    by side: ``state_dict`` (built with ``_state(**fields)``), ``load_state_dict`` (``_load``
+    first), and ``reshard_state(olds, ctx)``, which merges the states that the ranks of an
+    earlier run saved into this rank's (see reshard), or refuses. A stage that forgets the
+    third is refused by reshard, never mishandled.
     """
 
     src = None
@@ -65,11 +77,22 @@ class Stage:
     def __iter__(self):
         return self
 
-    def state_dict(self):  # stages with state of their own extend these two
+    def state_dict(self):
         return self._state()
 
     def load_state_dict(self, state):
         self._load(state)
+
+    def reshard_state(self, olds, ctx):
+        """This rank's state, merged from ``olds``: the states of this stage that the ranks of
+        an earlier run saved, in rank order (see reshard; ``ctx`` is its Resharding). A stage
+        with state of its own overrides this; the default passes through a stage whose saved
+        states hold nothing but config and upstream, and refuses any other, so a new stage
+        with state is refused until it says how its state is split."""
+        if self.src is None or {key for old in olds for key in old} - {"config", "upstream"}:
+            raise ValueError(f"reshard: the state of {type(self).__name__} cannot be split "
+                             "across ranks")
+        return self._state(upstream=self._reshard_upstream(olds, ctx))
 
     def close(self):
         """Stop background work here and upstream. Safe to call twice."""
@@ -85,24 +108,23 @@ class Stage:
                     "Resume with the arguments of the run that saved it.")
 
     def _state(self, **fields):
+        """The config, the stage's own ``fields``, then the upstream state. A stage that works
+        ahead passes ``upstream=`` itself: the state that belongs to its last item handed out.
+        (The key order is the order in the JSON files: keep it.)"""
         state = {"config": self.config, **fields}
-        if self.src is not None:
+        if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
         return state
 
     def _load(self, state):
+        """Checks the config and loads the upstream state; the stage loads its own fields."""
         self._check_config(state.get("config", {}))
         if self.src is not None:
             self.src.load_state_dict(state["upstream"])
 
-
-# ----------------------------------------------------------------------------------------------
-# Sources
-# ----------------------------------------------------------------------------------------------
-
-_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-            ".txt": "text"}
+    def _reshard_upstream(self, olds, ctx):
+        """The upstream's state on this rank, merged from the old ranks' (for reshard_state)."""
+        return ctx.merge(self.src, [old["upstream"] for old in olds])
 
 
 class DataError(ValueError):
@@ -111,6 +133,29 @@ class DataError(ValueError):
 
 class ConfigMismatch(ValueError):
     """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
+
+
+def _rng_to_json(rng):
+    """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
+    global RNGs of torch, numpy and Python for a checkpoint.)"""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(rng, state):
+    """Sets a random.Random to a state that _rng_to_json made; returns it."""
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+    return rng
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: Files (its readers and retries follow it), HFDataset, Sequence
+# ----------------------------------------------------------------------------------------------
+
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+            ".txt": "text"}
 
 
 def shard_format(url):
@@ -141,61 +186,6 @@ def expand_urls(urls):
                 raise FileNotFoundError(f"no files match {url!r}")
             out.extend(found)
     return out
-
-
-# Network faults worth retrying, matched by class name so that data.py need not import every
-# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
-_TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
-              "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
-              "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
-              "EndpointConnectionError"}
-_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
-                       "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
-
-
-def _causes(error):
-    """The error and what caused it, in turn: smart_open wraps the SDKs' errors in its own."""
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
-def _http_status(error):
-    """The HTTP status that an error (or one of its causes) reports, else None."""
-    for e in _causes(error):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):  # botocore's ClientError
-            if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
-                return 503
-            return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if getattr(response, "status_code", None) is not None:  # requests' HTTPError
-            return response.status_code
-    return None
-
-
-def is_transient(error):
-    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
-    denied access, a certificate problem or bad data, which no retry mends."""
-    status = _http_status(error)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
-    names = {c.__name__ for e in _causes(error) for c in type(e).__mro__}
-    return "SSLError" not in names and bool(names & _TRANSIENT)
-
-
-def _permanent(url, where, error):
-    """The error to raise for a shard that cannot be read, naming it and why."""
-    status, text = _http_status(error), f"{type(error).__name__}: {error}"
-    if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
-        return FileNotFoundError(f"shard {url} does not exist ({text})")
-    if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
-        return PermissionError(f"shard {url}: access denied ({text})")
-    return OSError(f"shard {url}: read failed after {where}: {text}")
-
-
-def _missing(record, fields):
-    """The required fields a record lacks: absent, or null (JSON null, a Parquet null)."""
-    return [k for k in fields if record.get(k) is None]
 
 
 class SplitError(ValueError):
@@ -248,6 +238,9 @@ class Files(Stage):
     stages downstream (Tokenize, FormatInstructions) have their needs checked where the
     shard and line are known. A ``.txt`` shard is read like the Hugging Face ``text`` loader
     does: a record ``{"text": line}`` per non-blank line.
+
+    The class keeps the books (splits, slots, epochs, state); reading a split is done by the
+    generators below it (_read_lines, _read_row_groups, _read_array), retries by _Retry.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
@@ -257,19 +250,8 @@ class Files(Stage):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
                              f"of world_size={world_size}, so every rank reads whole slots")
-        self.urls = expand_urls(urls)
-        if format not in (None, "jsonl", "parquet", "text"):
-            raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
-                             "suffix)")
-        self.format = format
-        for url in self.urls:
-            if self._format(url) is None:
-                raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
-                                 f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
-                                 f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
-            if self._format(url) == "parquet" and url.endswith(_COMPRESSED):
-                raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
-                                 "cannot be compressed as a whole (it compresses inside)")
+        self.urls, self.format = expand_urls(urls), format
+        _check_formats(self.urls, format)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
@@ -278,7 +260,7 @@ class Files(Stage):
         self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
         self.check = check
         self.transport_params = transport_params
-        self.retries, self.retry_delay = retries, retry_delay
+        self._retry = _Retry(retries, retry_delay)
         self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
         self.plan = self.plan_splits()
         self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
@@ -341,13 +323,13 @@ class Files(Stage):
         def attempt():
             if kind == "parquet":
                 with self._open(url) as f:
-                    groups = self._parquet(f, url).num_row_groups
+                    groups = _parquet_file(f, url, self.required_fields).num_row_groups
                     return f.seek(0, os.SEEK_END), groups, max(1, groups)
-            size = self._size(url)
+            size = _size(url, self._open)
             if kind == "array":
                 return size, len(self._array(url)), math.inf
             return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
-        return self._retrying(url, "its size", attempt)
+        return self._retry.run(url, "its size", attempt)
 
     def _too_few_splits(self, world_size):
         n, most = len(self.splits), len(self.splits) // world_size * world_size
@@ -359,46 +341,6 @@ class Files(Stage):
             f"{len(self.urls)} shard(s) can be cut into only {n} input split(s) (a compressed "
             "JSON Lines shard cannot be cut, a Parquet shard only between row groups), fewer "
             f"than the n_active_shards={self.n_slots} slots that must each read one; {fix}.", n)
-
-    def _kind(self, url):
-        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
-        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
-            return kind
-        if self._format(url) in ("parquet", "text"):
-            self._kinds[url] = self._format(url)
-        else:
-            name = url.split("?")[0]
-            for suffix in _COMPRESSED:
-                name = name.removesuffix(suffix)
-            array = self.format is None and name.endswith(".json") and self._retrying(
-                url, "its first byte", lambda: self._first_byte(url) == b"[")
-            self._kinds[url] = "array" if array else "jsonl"
-        return self._kinds[url]
-
-    def _first_byte(self, url):
-        with self._open(url) as f:
-            while chunk := f.read(4096):
-                if rest := chunk.lstrip(b" \t\r\n\xef\xbb\xbf"):  # whitespace, a UTF-8 BOM
-                    return rest[:1]
-        return b""
-
-    def _array(self, url):
-        """The records of a JSON-array shard, parsed whole once (such files are small: they
-        can only be parsed whole) and shared by its splits while slots read it."""
-        if url not in self._arrays:
-            with self._open(url) as f:
-                try:
-                    records = json.load(f)
-                except ValueError as e:
-                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
-            self._arrays[url] = records
-        return self._arrays[url]
-
-    def _size(self, url):
-        if "://" not in url:
-            return os.path.getsize(url)
-        with self._open(url) as f:
-            return f.seek(0, os.SEEK_END)
 
     def _slot(self, pos):
         """A new slot reading the split at position ``pos``, or None past a finite end."""
@@ -416,207 +358,12 @@ class Files(Stage):
         return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
                 "records": 0}
 
-    def _format(self, url):
-        return self.format or shard_format(url)
-
     @property
     def epoch(self):
         """The oldest epoch still being read."""
         return min((s["pos"] // len(self.splits) for s in self.slots), default=0)
 
-    # -- readers: generators of (line or record, where the next one starts) ------------------
-
-    def _open(self, url):
-        params = self.transport_params or {}
-        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
-            params = {"defer_seek": True, **params}
-        return smart_open.open(url, "rb", transport_params=params)
-
-    def _lines(self, slot):
-        """A JSON Lines split, from the slot's offset: the lines that start before its end."""
-        url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
-        with self._open(url) as f:
-            # A local shard's size goes into the state with the first line, and is checked on
-            # every reopen: an offset into a file that has changed since points anywhere.
-            size = os.fstat(f.fileno()).st_size if "://" not in url else None
-            if slot.get("size") not in (None, size):
-                raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
-                                f"bytes then, {size} now. Resuming would read from the wrong "
-                                "places: restore the file, or start a new run on the new data")
-            if offset and url.endswith(_COMPRESSED):
-                # Decompression cannot jump: re-read this shard (and only this one) to offset.
-                if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
-                    raise DataError(f"shard {url} is shorter than the saved offset {offset}")
-            elif offset and offset == slot["start"]:
-                # The line that crosses into this split belongs to the one before: skip to the
-                # first line start at or after `start` (from start - 1, in case it is one).
-                f.seek(offset - 1)
-                offset += len(f.readline()) - 1
-            elif offset:
-                f.seek(offset)
-            if end is None:
-                end = math.inf
-            if offset < end and (text := f.readline()):  # the first line records the size
-                offset, line = offset + len(text), line + 1
-                yield text, {"offset": offset, "line": line, "size": size}
-                while offset < end and (text := f.readline()):
-                    offset, line = offset + len(text), line + 1
-                    yield text, {"offset": offset, "line": line}
-
-    def _parquet(self, f, url):
-        try:
-            parquet = pyarrow.parquet.ParquetFile(f)
-        except pyarrow.ArrowInvalid as e:
-            raise DataError(f"shard {url}: not a Parquet file: {e}") from e
-        columns = parquet.schema_arrow.names
-        if missing := [k for k in self.required_fields if k not in columns]:
-            raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
-        return parquet
-
-    def _rows(self, slot):
-        """A Parquet split, from the slot's row group and row. Only the footer and the row
-        groups from there on are read."""
-        url = slot["url"]
-        with self._open(url) as f:
-            parquet = self._parquet(f, url)
-            line, end = slot["line"], slot["end"]
-            for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
-                table = parquet.read_row_group(group)
-                for start in range(slot["row"] if group == slot["row_group"] else 0,
-                                   table.num_rows, 1024):  # to Python 1024 rows at a time
-                    for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
-                        line += 1
-                        where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
-                        yield record, {"row_group": where[0], "row": where[1], "line": line}
-
-    def _elements(self, slot):
-        """A JSON-array split, from the slot's index."""
-        records = self._array(slot["url"])
-        end = len(records) if slot["end"] is None else slot["end"]
-        for index in range(slot["index"], end):
-            yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
-                                   slot["index"]}
-
-    def _reader(self, slot):
-        kind = self._kind(slot["url"])
-        return (self._rows if kind == "parquet" else self._elements if kind == "array"
-                else self._lines)(dict(slot))  # JSON Lines and text: lines
-
-    def _after_fault(self, error, url, where, n):
-        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
-        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
-        if isinstance(error, DataError):
-            raise error
-        if not is_transient(error):
-            raise _permanent(url, where, error) from error
-        if n == self.retries:
-            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
-                          f"{where}: {error}") from error
-        delay = min(self.retry_delay * 2 ** n, 60)
-        log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
-                    type(error).__name__, error, n + 1, self.retries, delay)
-        time.sleep(delay)
-
-    def _retrying(self, url, where, attempt, reset=None, first=0):
-        """attempt(), again after each transient fault, up to ``retries`` times in all (the
-        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
-        attempt reopens the shard where the slot is."""
-        for n in range(first, self.retries + 1):
-            try:
-                return attempt()
-            except Exception as e:
-                if reset is not None:
-                    reset()
-                self._after_fault(e, url, where, n)
-
-    def _fetch(self, i):
-        """The next (line or record, where the next starts) of slot i, None at the split's end."""
-        url, first = self.slots[i]["url"], 0
-        if self._files[i] is not None:  # the common case: no closures, no retry loop
-            try:
-                return next(self._files[i], None)
-            except Exception as e:  # the reader is finished: give up, or reopen it below
-                self._files[i] = None
-                self._after_fault(e, url, self._where(self.slots[i]), 0)
-                first = 1
-        self._kind(url)  # known before the retries, which must not nest
-
-        def attempt():
-            if self._files[i] is None:
-                self._files[i] = self._reader(self.slots[i])
-            return next(self._files[i], None)
-
-        def reset():
-            self._files[i] = None
-        return self._retrying(url, self._where(self.slots[i]), attempt, reset, first)
-
-    def _where(self, slot):
-        """Where a slot is, cheaply: for retry messages."""
-        if "row_group" in slot:
-            return f"row group {slot['row_group']}, row {slot['row']}"
-        if "index" in slot:
-            return f"record {slot['index']}"
-        return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
-
-    def _position(self, slot):
-        """The line (row, record) of the shard that the slot read last, counted from the
-        shard's start: a split that starts inside it counts the lines before it, once."""
-        url, start = slot["url"], slot["start"]
-        if "index" in slot:
-            return f"record {slot['index']}"
-        if start and (url, start) not in self._bases:
-            def count():
-                if "row_group" in slot:
-                    with self._open(url) as f:
-                        meta = self._parquet(f, url).metadata
-                        return sum(meta.row_group(g).num_rows for g in range(start))
-                with self._open(url) as f:  # the lines before the split's first line
-                    return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1
-            self._bases[url, start] = self._retrying(url, "counting lines", count)
-        line = self._bases.get((url, start), 0) + slot["line"]
-        return f"row {line}" if "row_group" in slot else f"line {line}"
-
     # -- the round-robin -------------------------------------------------------------------
-
-    def _read(self, i):
-        """The next record of slot i, or None at the end of its split."""
-        slot = self.slots[i]
-        kind = self._kind(slot["url"])
-        while (item := self._fetch(i)) is not None:
-            data, where = item
-            slot.update(where)
-            if kind in ("jsonl", "text") and not data.strip():
-                continue  # a blank line is not a record
-            try:
-                record = (json.loads(data) if kind == "jsonl" else {"text": data.decode()
-                          .rstrip("\r\n")} if kind == "text" else data)
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                if missing := _missing(record, self.required_fields):
-                    raise ValueError(f"missing or null field(s) {missing}; it has "
-                                     f"{sorted(k for k in record if record[k] is not None)}")
-                if self.check is not None:
-                    self.check(record)
-                slot["records"] += 1
-                return record
-            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
-                       f"{type(e).__name__}: {e}")
-                if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
-                                    "--skip-bad-records, skips such records)") from e
-                self.skipped += 1
-                log.warning("skipped (%d so far): %s", self.skipped, msg)
-        return None
-
-    def _reachable(self):
-        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
-        else the fixed cycle of positions s, s + S, ... of its slots."""
-        n = len(self.splits)
-        if self.shuffle_shards:
-            return set(self.splits)
-        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
-                for slot in self.slots for k in range(n)}
 
     def __next__(self):
         empties = set()  # splits met empty since the last record: all of them means none
@@ -630,22 +377,8 @@ class Files(Stage):
             if record is not None:
                 self.turn += 1
                 return record
-            # The split is done: the slot moves on to its next split, keeping its turn.
-            done = self.slots[self.turn]
-            self._files[self.turn].close()
-            self._files[self.turn] = None
-            if done["records"] == 0:
-                empties.add((done["url"], done["start"], done["end"]))
-                if self.plan is None or done["end"] is None:  # a whole shard
-                    log.warning("shard %s has no records", done["url"])
-            following = self._slot(done["pos"] + self.n_slots)
-            if following is None:  # this slot has no splits left
-                self.slots.pop(self.turn)
-                self._files.pop(self.turn)
-            else:
-                self.slots[self.turn] = following
-            self._arrays = {url: records for url, records in self._arrays.items()
-                            if any(slot["url"] == url for slot in self.slots)}
+            if (empty := self._next_split(self.turn)) is not None:
+                empties.add(empty)
             current = self._reading = self.epoch
             if self.epochs is None and empties:
                 self._reach = self._reach or self._reachable()
@@ -657,6 +390,94 @@ class Files(Stage):
             raise DataError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
                             f"stream would wait forever ({self.urls[:3]}...)")
         raise StopIteration
+
+    def _next_split(self, i):
+        """Slot i has read its split: it moves on to its next split, keeping its turn, or
+        closes if it has none left. Returns the split if it held no records, else None."""
+        done, empty = self.slots[i], None
+        self._files[i].close()
+        self._files[i] = None
+        if done["records"] == 0:
+            empty = (done["url"], done["start"], done["end"])
+            if self.plan is None or done["end"] is None:  # a whole shard
+                log.warning("shard %s has no records", done["url"])
+        following = self._slot(done["pos"] + self.n_slots)
+        if following is None:  # this slot has no splits left
+            self.slots.pop(i)
+            self._files.pop(i)
+        else:
+            self.slots[i] = following
+        # A JSON array's records are held only while a slot reads it.
+        self._arrays = {url: records for url, records in self._arrays.items()
+                        if any(slot["url"] == url for slot in self.slots)}
+        return empty
+
+    def _reachable(self):
+        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
+        else the fixed cycle of positions s, s + S, ... of its slots."""
+        n = len(self.splits)
+        if self.shuffle_shards:
+            return set(self.splits)
+        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
+                for slot in self.slots for k in range(n)}
+
+    def _read(self, i):
+        """The next record of slot i, or None at the end of its split."""
+        slot = self.slots[i]
+        kind = self._kind(slot["url"])
+        while (item := self._fetch(i)) is not None:
+            data, where = item
+            slot.update(where)
+            if kind in ("jsonl", "text") and not data.strip():
+                continue  # a blank line is not a record
+            try:
+                record = _parse(data, kind, self.required_fields, self.check)
+            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
+                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
+                       f"{type(e).__name__}: {e}")
+                if not self.skip_bad_records:
+                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
+                                    "--skip-bad-records, skips such records)") from e
+                self.skipped += 1
+                log.warning("skipped (%d so far): %s", self.skipped, msg)
+                continue
+            slot["records"] += 1
+            return record
+        return None
+
+    def _fetch(self, i):
+        """The next (line or record, where the next starts) of slot i, None at the split's end.
+        A transient fault reopens the split where the slot is (see _Retry)."""
+        url, first = self.slots[i]["url"], 0
+        if self._files[i] is not None:  # the common case: no closures, no retry loop
+            try:
+                return next(self._files[i], None)
+            except Exception as e:  # the reader is finished: give up, or reopen it below
+                self._files[i] = None
+                self._retry.after_fault(e, url, _where(self.slots[i]), 0)
+                first = 1
+        self._kind(url)  # known before the retries, which must not nest
+
+        def attempt():
+            if self._files[i] is None:
+                self._files[i] = self._reader(self.slots[i])
+            return next(self._files[i], None)
+
+        def reset():
+            self._files[i] = None
+        return self._retry.run(url, _where(self.slots[i]), attempt, reset, first)
+
+    def _reader(self, slot):
+        """A generator of (line or record, where the next one starts) over the slot's split,
+        from where the slot is (it reads a copy of the slot, as it was when opened)."""
+        slot, kind = dict(slot), self._kind(slot["url"])
+        if kind == "parquet":
+            return _read_row_groups(slot, self._open, self.required_fields)
+        if kind == "array":
+            return _read_array(slot, self._array(slot["url"]))
+        return _read_lines(slot, self._open)  # JSON Lines and text: lines
+
+    # -- state -----------------------------------------------------------------------------
 
     def state_dict(self):
         return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
@@ -677,6 +498,17 @@ class Files(Stage):
             if f is not None:
                 f.close()
         self._files = [None] * len(self.slots)
+
+    def reshard_state(self, olds, ctx):
+        """The slots of every old rank: this rank takes those s = rank (mod world size)."""
+        slots = {s["pos"] % self.n_slots: s for old in olds for s in old["slots"]}
+        keep = sorted(s for s in slots if s % ctx.world_size == ctx.rank)
+        # Where one old rank owned exactly these slots, its round-robin turn carries over.
+        turns = [old["turn"] for old in olds
+                 if [s["pos"] % self.n_slots for s in old["slots"]] == keep]
+        return self._state(turn=turns[0] if turns else 0,
+                           skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
+                           slots=[slots[s] for s in keep])
 
     def advanced(self, state, n, pieces=None):
         """The state ``n`` records after ``state``, which any rank of any world size may have
@@ -699,6 +531,173 @@ class Files(Stage):
         finally:
             other.close()
 
+    # -- the shards: how to open them, what kind they are ----------------------------------
+
+    def _open(self, url):
+        params = self.transport_params or {}
+        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
+            params = {"defer_seek": True, **params}
+        return smart_open.open(url, "rb", transport_params=params)
+
+    def _format(self, url):
+        return self.format or shard_format(url)
+
+    def _kind(self, url):
+        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
+            return kind
+        if self._format(url) in ("parquet", "text"):
+            self._kinds[url] = self._format(url)
+        else:
+            name = url.split("?")[0]
+            for suffix in _COMPRESSED:
+                name = name.removesuffix(suffix)
+            array = self.format is None and name.endswith(".json") and self._retry.run(
+                url, "its first byte", lambda: _first_byte(url, self._open) == b"[")
+            self._kinds[url] = "array" if array else "jsonl"
+        return self._kinds[url]
+
+    def _array(self, url):
+        """The records of a JSON-array shard, parsed whole once (such files are small: they
+        can only be parsed whole) and shared by its splits while slots read it."""
+        if url not in self._arrays:
+            with self._open(url) as f:
+                try:
+                    records = json.load(f)
+                except ValueError as e:
+                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
+            self._arrays[url] = records
+        return self._arrays[url]
+
+    def _position(self, slot):
+        """The line (row, record) of the shard that the slot read last, counted from the
+        shard's start: a split that starts inside it counts the lines before it, once."""
+        url, start = slot["url"], slot["start"]
+        if "index" in slot:
+            return f"record {slot['index']}"
+        if start and (url, start) not in self._bases:
+            def count():
+                return _lines_before(slot, self._open, self.required_fields)
+            self._bases[url, start] = self._retry.run(url, "counting lines", count)
+        line = self._bases.get((url, start), 0) + slot["line"]
+        return f"row {line}" if "row_group" in slot else f"line {line}"
+
+
+def _check_formats(urls, format):
+    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet)."""
+    if format not in (None, "jsonl", "parquet", "text"):
+        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
+                         "suffix)")
+    for url in urls:
+        if (kind := format or shard_format(url)) is None:
+            raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
+                             f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
+                             f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
+        if kind == "parquet" and url.endswith(_COMPRESSED):
+            raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
+                             "cannot be compressed as a whole (it compresses inside)")
+
+
+def _parse(data, kind, required_fields, check):
+    """A record from what a reader gave (a line of JSON Lines or text, a Parquet row, a JSON
+    array's element), checked; a bad one raises ValueError."""
+    record = (json.loads(data) if kind == "jsonl" else {"text": data.decode().rstrip("\r\n")}
+              if kind == "text" else data)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if missing := _missing(record, required_fields):
+        raise ValueError(f"missing or null field(s) {missing}; it has "
+                         f"{sorted(k for k in record if record[k] is not None)}")
+    if check is not None:
+        check(record)
+    return record
+
+
+def _missing(record, fields):
+    """The required fields a record lacks: absent, or null (JSON null, a Parquet null)."""
+    return [k for k in fields if record.get(k) is None]
+
+
+def _where(slot):
+    """Where a slot is, cheaply: for retry messages."""
+    if "row_group" in slot:
+        return f"row group {slot['row_group']}, row {slot['row']}"
+    if "index" in slot:
+        return f"record {slot['index']}"
+    return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
+
+
+# -- Files' readers: generators of (line or record, where the next one starts) -----------------
+# Each reads one split from where its slot is; ``open_shard(url)`` opens a shard for bytes.
+
+def _read_lines(slot, open_shard):
+    """A JSON Lines (or text) split, from the slot's offset: the lines that start before its end."""
+    url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
+    with open_shard(url) as f:
+        # A local shard's size goes into the state with the first line, and is checked on
+        # every reopen: an offset into a file that has changed since points anywhere.
+        size = os.fstat(f.fileno()).st_size if "://" not in url else None
+        if slot.get("size") not in (None, size):
+            raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
+                            f"bytes then, {size} now. Resuming would read from the wrong "
+                            "places: restore the file, or start a new run on the new data")
+        if offset and url.endswith(_COMPRESSED):
+            # Decompression cannot jump: re-read this shard (and only this one) to offset.
+            if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
+                raise DataError(f"shard {url} is shorter than the saved offset {offset}")
+        elif offset and offset == slot["start"]:
+            # The line that crosses into this split belongs to the one before: skip to the
+            # first line start at or after `start` (from start - 1, in case it is one).
+            f.seek(offset - 1)
+            offset += len(f.readline()) - 1
+        elif offset:
+            f.seek(offset)
+        if end is None:
+            end = math.inf
+        if offset < end and (text := f.readline()):  # the first line records the size
+            offset, line = offset + len(text), line + 1
+            yield text, {"offset": offset, "line": line, "size": size}
+            while offset < end and (text := f.readline()):
+                offset, line = offset + len(text), line + 1
+                yield text, {"offset": offset, "line": line}
+
+
+def _read_row_groups(slot, open_shard, required_fields):
+    """A Parquet split, from the slot's row group and row. Only the footer and the row
+    groups from there on are read."""
+    url = slot["url"]
+    with open_shard(url) as f:
+        parquet = _parquet_file(f, url, required_fields)
+        line, end = slot["line"], slot["end"]
+        for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
+            table = parquet.read_row_group(group)
+            for start in range(slot["row"] if group == slot["row_group"] else 0,
+                               table.num_rows, 1024):  # to Python 1024 rows at a time
+                for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
+                    line += 1
+                    where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
+                    yield record, {"row_group": where[0], "row": where[1], "line": line}
+
+
+def _read_array(slot, records):
+    """A JSON-array split, from the slot's index; ``records`` is the whole array."""
+    end = len(records) if slot["end"] is None else slot["end"]
+    for index in range(slot["index"], end):
+        yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
+                               slot["index"]}
+
+
+def _parquet_file(f, url, required_fields):
+    """An open Parquet shard, refused if it is not Parquet or lacks a required column."""
+    try:
+        parquet = pyarrow.parquet.ParquetFile(f)
+    except pyarrow.ArrowInvalid as e:
+        raise DataError(f"shard {url}: not a Parquet file: {e}") from e
+    columns = parquet.schema_arrow.names
+    if missing := [k for k in required_fields if k not in columns]:
+        raise DataError(f"shard {url}: no column(s) {missing}; it has {columns}")
+    return parquet
+
 
 def _chunks(f, n):
     """The first ``n`` bytes of a file, 1 MiB at a time."""
@@ -707,42 +706,120 @@ def _chunks(f, n):
         yield chunk
 
 
-class Sequence(Stage):
-    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
+def _first_byte(url, open_shard):
+    """A shard's first byte past whitespace and a UTF-8 BOM: b"[" begins a JSON array."""
+    with open_shard(url) as f:
+        while chunk := f.read(4096):
+            if rest := chunk.lstrip(b" \t\r\n\xef\xbb\xbf"):
+                return rest[:1]
+    return b""
 
-    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
-        self.items = list(items)
-        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
-        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
-                       "seed": seed}
-        self.epoch, self.pos = 0, 0
-        self._order = self._make_order(0)
 
-    def _make_order(self, epoch):
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
+def _size(url, open_shard):
+    if "://" not in url:
+        return os.path.getsize(url)
+    with open_shard(url) as f:
+        return f.seek(0, os.SEEK_END)
 
-    def __next__(self):
-        if self.pos == len(self.items):
-            if not self.repeat or not self.items:
-                raise StopIteration
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._make_order(self.epoch)
-        item = self.items[self._order[self.pos]]
-        self.pos += 1
-        # A copy, because later stages add keys and the next epoch must see the original.
-        return dict(item) if isinstance(item, dict) else item
 
-    def state_dict(self):
-        return self._state(epoch=self.epoch, pos=self.pos)
+def _lines_before(slot, open_shard, required_fields):
+    """The lines (Parquet: rows) of a shard before the slot's split: for line numbers."""
+    url, start = slot["url"], slot["start"]
+    with open_shard(url) as f:
+        if "row_group" in slot:
+            meta = _parquet_file(f, url, required_fields).metadata
+            return sum(meta.row_group(g).num_rows for g in range(start))
+        return sum(chunk.count(b"\n") for chunk in _chunks(f, start - 1)) + 1  # before line 1
 
-    def load_state_dict(self, state):
-        self._load(state)
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._make_order(self.epoch)
 
+# -- Retries: a transient network fault is retried, anything else fails at once ----------------
+
+# Network faults worth retrying, matched by class name so that data.py need not import every
+# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
+_TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
+              "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
+              "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
+              "EndpointConnectionError"}
+_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "Throttling", "InternalError",
+                       "ServiceUnavailable"}  # S3 says "try again" with these (some are 400s)
+
+
+def _causes(error):
+    """The error and what caused it, in turn: smart_open wraps the SDKs' errors in its own."""
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _http_status(error):
+    """The HTTP status that an error (or one of its causes) reports, else None."""
+    for e in _causes(error):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            if response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+                return 503
+            return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if getattr(response, "status_code", None) is not None:  # requests' HTTPError
+            return response.status_code
+    return None
+
+
+def is_transient(error):
+    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
+    denied access, a certificate problem or bad data, which no retry mends."""
+    status = _http_status(error)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    names = {c.__name__ for e in _causes(error) for c in type(e).__mro__}
+    return "SSLError" not in names and bool(names & _TRANSIENT)
+
+
+def _permanent(url, where, error):
+    """The error to raise for a shard that cannot be read, naming it and why."""
+    status, text = _http_status(error), f"{type(error).__name__}: {error}"
+    if isinstance(error, FileNotFoundError) or status == 404:  # also NoSuchKey, NoSuchBucket
+        return FileNotFoundError(f"shard {url} does not exist ({text})")
+    if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
+        return PermissionError(f"shard {url}: access denied ({text})")
+    return OSError(f"shard {url}: read failed after {where}: {text}")
+
+
+class _Retry:
+    """Retries of transient faults (see is_transient): at most ``retries`` of them, the n-th
+    after ``delay * 2**n`` seconds (a minute at most). Any other error is raised at once."""
+
+    def __init__(self, retries, delay):
+        self.retries, self.delay = retries, delay
+
+    def after_fault(self, error, url, where, n):
+        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
+        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
+        if isinstance(error, DataError):
+            raise error
+        if not is_transient(error):
+            raise _permanent(url, where, error) from error
+        if n == self.retries:
+            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
+                          f"{where}: {error}") from error
+        delay = min(self.delay * 2 ** n, 60)
+        log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
+                    type(error).__name__, error, n + 1, self.retries, delay)
+        time.sleep(delay)
+
+    def run(self, url, where, attempt, reset=None, first=0):
+        """attempt(), again after each transient fault, up to ``retries`` times in all (the
+        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
+        attempt reopens the shard where the slot is."""
+        for n in range(first, self.retries + 1):
+            try:
+                return attempt()
+            except Exception as e:
+                if reset is not None:
+                    reset()
+                self.after_fault(e, url, where, n)
+
+
+# -- The other sources -------------------------------------------------------------------------
 
 class HFDataset(Stage):
     """A Hugging Face ``datasets`` dataset as a source, read once or, with ``repeat``, for
@@ -845,75 +922,46 @@ class HFDataset(Stage):
             self.dataset.load_state_dict(self._resumed)
 
 
-# ----------------------------------------------------------------------------------------------
-# Transforms
-# ----------------------------------------------------------------------------------------------
+class Sequence(Stage):
+    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
 
-class Map(Stage):
-    """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
+    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
+        self.items = list(items)
+        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
+        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
+                       "seed": seed}
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order(0)
 
-    def __init__(self, src, fn):
-        self.src, self.fn = src, fn
-
-    def __next__(self):
-        return self.fn(next(self.src))
-
-
-class Filter(Map):
-    """Keeps the samples for which ``fn`` is true."""
-
-    def __next__(self):
-        while True:
-            sample = next(self.src)
-            if self.fn(sample):
-                return sample
-
-
-class Take(Stage):
-    """The first ``n`` samples."""
-
-    def __init__(self, src, n):
-        self.src, self.n, self.count = src, n, 0
-        self.config = {"n": n}
+    def _make_order(self, epoch):
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
 
     def __next__(self):
-        if self.count >= self.n:
-            raise StopIteration
-        sample = next(self.src)
-        self.count += 1
-        return sample
+        if self.pos == len(self.items):
+            if not self.repeat or not self.items:
+                raise StopIteration
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order(self.epoch)
+        item = self.items[self._order[self.pos]]
+        self.pos += 1
+        # A copy, because later stages add keys and the next epoch must see the original.
+        return dict(item) if isinstance(item, dict) else item
 
     def state_dict(self):
-        return self._state(count=self.count)
+        return self._state(epoch=self.epoch, pos=self.pos)
 
     def load_state_dict(self, state):
         self._load(state)
-        self.count = state["count"]
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._make_order(self.epoch)
 
 
-class Stride(Stage):
-    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
-
-    def __init__(self, src, offset, interval):
-        if not 0 <= offset < interval:
-            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
-        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
-        self.config = {"offset": offset, "interval": interval}
-
-    def __next__(self):
-        while True:
-            sample = next(self.src)
-            self.index += 1
-            if (self.index - 1) % self.interval == self.offset:
-                return sample
-
-    def state_dict(self):
-        return self._state(index=self.index)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.index = state["index"]
-
+# ----------------------------------------------------------------------------------------------
+# Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle
+# ----------------------------------------------------------------------------------------------
 
 class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
@@ -1044,12 +1092,22 @@ class Tokenize(Stage):
 
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
-            return {"config": self.config, "upstream": self.src.state_dict(), "skip": self._skip}
-        return {"config": self.config, "upstream": self._batch_state, "skip": self._pos}
+            return self._state(upstream=self.src.state_dict(), skip=self._skip)
+        return self._state(upstream=self._batch_state, skip=self._pos)
 
     def load_state_dict(self, state):
         self._load(state)
         self._skip = state["skip"]
+
+    def reshard_state(self, olds, ctx):
+        """Each old rank's Files state, moved on past the documents (pieces) its consumer had
+        been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
+        if not isinstance(self.src, Files):
+            raise ValueError("reshard: Tokenize must read straight from Files")
+        ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
+        advanced = [self.src.advanced(old["upstream"], old["skip"], self.n_pieces)
+                    for old in olds]
+        return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
 
     def close(self):
         if self._pool is not None:
@@ -1057,6 +1115,152 @@ class Tokenize(Stage):
         self._inflight.clear()
         super().close()
 
+
+class EnsureBosEos(Stage):
+    """Makes every document start with BOS and end with EOS, so documents stay separable.
+
+    When BOS and EOS are one token (GPT-2's <|endoftext|>) only EOS is appended: one separator
+    per document boundary is all a concatenated stream needs.
+    """
+
+    def __init__(self, src, tokenizer):
+        self.src, self.bos, self.eos = src, tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.config = {"bos": self.bos, "eos": self.eos}
+
+    def __next__(self):
+        sample = next(self.src)
+        ids = sample["input_ids"]
+        piece, pieces = sample.get("piece", (0, 1))  # a long document cut by Tokenize
+        if self.bos is not None and self.bos != self.eos and (not ids or ids[0] != self.bos) \
+                and piece == 0:
+            ids = [self.bos] + ids
+        if self.eos is not None and (not ids or ids[-1] != self.eos) and piece == pieces - 1:
+            ids = ids + [self.eos]
+        sample["input_ids"] = ids
+        return sample
+
+
+def as_tensor(ids):
+    """A 1-D long tensor of an ``array('q')`` slice: a memory copy, where torch.tensor() on a
+    list of ints walks the list object by object (about 3x slower, with the GIL held)."""
+    return torch.frombuffer(ids, dtype=torch.long) if len(ids) else torch.zeros(0, dtype=torch.long)
+
+
+class ConcatChunk(Stage):
+    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens.
+
+    No padding is wasted: the leftover of one document starts the next chunk. The leftover
+    is state. Only a final partial chunk at the end of a finite stream is dropped.
+    """
+
+    def __init__(self, src, length):
+        self.src, self.length = src, length
+        self.config = {"length": length}
+        self.buf, self.pos = array.array("q"), 0  # tokens not yet emitted are buf[pos:]
+
+    def __next__(self):
+        while len(self.buf) - self.pos < self.length:
+            ids = next(self.src)["input_ids"]
+            del self.buf[:self.pos]  # compact only when pulling, so long documents are cut
+            self.pos = 0             # by moving pos, without copying the rest each time
+            self.buf.extend(ids)
+        chunk = self.buf[self.pos:self.pos + self.length]
+        self.pos += self.length
+        return {"input_ids": as_tensor(chunk)}
+
+    def state_dict(self):
+        return self._state(rest=self.buf[self.pos:].tolist())
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.buf, self.pos = array.array("q", state["rest"]), 0
+
+    def reshard_state(self, olds, ctx):
+        """The leftover tokens of old rank i move to new rank i mod (new world size)."""
+        rest = [t for i in ctx.mine for t in olds[i]["rest"]]
+        ctx.report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in ctx.mine if i != ctx.rank)
+        return self._state(upstream=self._reshard_upstream(olds, ctx), rest=rest)
+
+
+def to_json(sample):
+    """A sample as JSON-able data: tensors become {"__tensor__": list, "dtype": name}."""
+    if isinstance(sample, torch.Tensor):
+        return {"__tensor__": sample.tolist(), "dtype": str(sample.dtype).removeprefix("torch.")}
+    if isinstance(sample, dict):
+        return {k: to_json(v) for k, v in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return [to_json(v) for v in sample]
+    return sample
+
+
+def from_json(data):
+    """The inverse of to_json."""
+    if isinstance(data, dict):
+        if "__tensor__" in data:
+            return torch.tensor(data["__tensor__"], dtype=getattr(torch, data["dtype"]))
+        return {k: from_json(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [from_json(v) for v in data]
+    return data
+
+
+class Shuffle(Stage):
+    """A buffered shuffle: fill a buffer of ``buffer_size`` samples, hand out a random one.
+
+    The buffer's contents and the RNG are state. Each sample is converted to JSON at most
+    once while it waits in the buffer (cached beside it), so snapshotting the state for every
+    item, as Prefetch does, costs a list copy and not a re-encoding of the whole buffer.
+    ``buffer_size=1`` is the identity.
+    """
+
+    def __init__(self, src, buffer_size, *, seed=0):
+        self.src, self.buffer_size, self.seed = src, buffer_size, seed
+        self.config = {"buffer_size": buffer_size, "seed": seed}
+        self.rng = random.Random(seed)
+        self.buffer = []  # [sample, its to_json() form or None]
+        self.exhausted = False
+
+    def __next__(self):
+        while not self.exhausted and len(self.buffer) < self.buffer_size:
+            try:
+                self.buffer.append([next(self.src), None])
+            except StopIteration:
+                self.exhausted = True
+        if not self.buffer:
+            raise StopIteration
+        i = self.rng.randrange(len(self.buffer))
+        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
+        return self.buffer.pop()[0]
+
+    def state_dict(self):
+        for entry in self.buffer:
+            if entry[1] is None:
+                entry[1] = to_json(entry[0])
+        return self._state(buffer=[entry[1] for entry in self.buffer], exhausted=self.exhausted,
+                           rng=_rng_to_json(self.rng))
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.buffer = [[from_json(s), s] for s in state["buffer"]]
+        self.exhausted = state["exhausted"]
+        _rng_from_json(self.rng, state["rng"])
+
+    def reshard_state(self, olds, ctx):
+        """The buffer of old rank i moves to new rank i mod (new world size); the RNG goes on
+        from the old rank's of the same number."""
+        buffer = [sample for i in ctx.mine for sample in olds[i]["buffer"]]
+        ctx.report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in ctx.mine
+                                             if i != ctx.rank)
+        rng = _rng_from_json(random.Random(), olds[ctx.rank % len(olds)]["rng"])
+        if ctx.rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
+            rng.seed(f"{rng.getrandbits(64)}-{ctx.rank}")
+        return self._state(upstream=self._reshard_upstream(olds, ctx), buffer=buffer,
+                           exhausted=False, rng=_rng_to_json(rng))
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning on instructions (SFT): FormatInstructions, Pack, Pad
+# ----------------------------------------------------------------------------------------------
 
 # The layout of an instruction record ("### " headers, as in Alpaca-style data sets). The
 # response follows the prompt directly; only the response's tokens are trained on.
@@ -1124,118 +1328,22 @@ class FormatInstructions(Stage):
         return {"input_ids": ids, "labels": labels}
 
 
-class EnsureBosEos(Stage):
-    """Makes every document start with BOS and end with EOS, so documents stay separable.
-
-    When BOS and EOS are one token (GPT-2's <|endoftext|>) only EOS is appended: one separator
-    per document boundary is all a concatenated stream needs.
-    """
-
-    def __init__(self, src, tokenizer):
-        self.src, self.bos, self.eos = src, tokenizer.bos_token_id, tokenizer.eos_token_id
-        self.config = {"bos": self.bos, "eos": self.eos}
-
-    def __next__(self):
-        sample = next(self.src)
-        ids = sample["input_ids"]
-        piece, pieces = sample.get("piece", (0, 1))  # a long document cut by Tokenize
-        if self.bos is not None and self.bos != self.eos and (not ids or ids[0] != self.bos) \
-                and piece == 0:
-            ids = [self.bos] + ids
-        if self.eos is not None and (not ids or ids[-1] != self.eos) and piece == pieces - 1:
-            ids = ids + [self.eos]
-        sample["input_ids"] = ids
-        return sample
+def _ids_and_labels(sample):
+    ids = sample["input_ids"]
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    labels = sample.get("labels", ids)
+    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
+    if len(labels) != len(ids):
+        raise ValueError(f"a sample has {len(ids)} input_ids but {len(labels)} labels")
+    return ids, labels
 
 
-def as_tensor(ids):
-    """A 1-D long tensor of an ``array('q')`` slice: a memory copy, where torch.tensor() on a
-    list of ints walks the list object by object (about 3x slower, with the GIL held)."""
-    return torch.frombuffer(ids, dtype=torch.long) if len(ids) else torch.zeros(0, dtype=torch.long)
-
-
-class Chunk(Stage):
-    """Cuts each document on its own into pieces of ``length`` tokens.
-
-    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
-    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
-    """
-
-    def __init__(self, src, length, *, drop_remainder=True):
-        self.src, self.length, self.drop_remainder = src, length, drop_remainder
-        self.config = {"length": length, "drop_remainder": drop_remainder}
-        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
-
-    def __next__(self):
-        while True:
-            left = len(self.doc) - self.pos
-            if left >= self.length or (left > 0 and not self.drop_remainder):
-                piece = self.doc[self.pos:self.pos + self.length]
-                self.pos += len(piece)
-                return {"input_ids": as_tensor(piece)}
-            self.doc, self.pos = array.array("q", next(self.src)["input_ids"]), 0
-
-    def state_dict(self):
-        return self._state(rest=self.doc[self.pos:].tolist())
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.doc, self.pos = array.array("q", state["rest"]), 0
-
-
-class ConcatChunk(Stage):
-    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens.
-
-    No padding is wasted: the leftover of one document starts the next chunk. The leftover
-    is state. Only a final partial chunk at the end of a finite stream is dropped.
-    """
-
-    def __init__(self, src, length):
-        self.src, self.length = src, length
-        self.config = {"length": length}
-        self.buf, self.pos = array.array("q"), 0  # tokens not yet emitted are buf[pos:]
-
-    def __next__(self):
-        while len(self.buf) - self.pos < self.length:
-            ids = next(self.src)["input_ids"]
-            del self.buf[:self.pos]  # compact only when pulling, so long documents are cut
-            self.pos = 0             # by moving pos, without copying the rest each time
-            self.buf.extend(ids)
-        chunk = self.buf[self.pos:self.pos + self.length]
-        self.pos += self.length
-        return {"input_ids": as_tensor(chunk)}
-
-    def state_dict(self):
-        return self._state(rest=self.buf[self.pos:].tolist())
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.buf, self.pos = array.array("q", state["rest"]), 0
-
-
-class Pad(Stage):
-    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
-
-    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
-    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
-    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
-    an error unless ``truncate=True``.
-    """
-
-    def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
-        self.src, self.length, self.pad_id = src, length, pad_id
-        self.label_pad_id, self.truncate = label_pad_id, truncate
-        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
-                       "truncate": truncate}
-
-    def __next__(self):
-        ids, labels = _ids_and_labels(next(self.src))
-        if len(ids) > self.length:
-            if not self.truncate:
-                raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
-                                 f"length={self.length}; pass truncate=True to cut such samples")
-            ids, labels = ids[:self.length], labels[:self.length]
-        return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
+def _padded(ids, labels, length, pad_id, label_pad_id):
+    """input_ids, attention_mask and labels of one sequence, padded to ``length``."""
+    pad = length - len(ids)
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            "labels": torch.tensor(labels + [label_pad_id] * pad)}
 
 
 class Pack(Stage):
@@ -1296,87 +1404,34 @@ class Pack(Stage):
         self.pending, self.discarded = state["pending"], state["discarded"]
 
 
-def _padded(ids, labels, length, pad_id, label_pad_id):
-    """input_ids, attention_mask and labels of one sequence, padded to ``length``."""
-    pad = length - len(ids)
-    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
-            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-            "labels": torch.tensor(labels + [label_pad_id] * pad)}
+class Pad(Stage):
+    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
 
-
-def _ids_and_labels(sample):
-    ids = sample["input_ids"]
-    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    labels = sample.get("labels", ids)
-    labels = labels.tolist() if isinstance(labels, torch.Tensor) else list(labels)
-    if len(labels) != len(ids):
-        raise ValueError(f"a sample has {len(ids)} input_ids but {len(labels)} labels")
-    return ids, labels
-
-
-def to_json(sample):
-    """A sample as JSON-able data: tensors become {"__tensor__": list, "dtype": name}."""
-    if isinstance(sample, torch.Tensor):
-        return {"__tensor__": sample.tolist(), "dtype": str(sample.dtype).removeprefix("torch.")}
-    if isinstance(sample, dict):
-        return {k: to_json(v) for k, v in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return [to_json(v) for v in sample]
-    return sample
-
-
-def from_json(data):
-    """The inverse of to_json."""
-    if isinstance(data, dict):
-        if "__tensor__" in data:
-            return torch.tensor(data["__tensor__"], dtype=getattr(torch, data["dtype"]))
-        return {k: from_json(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [from_json(v) for v in data]
-    return data
-
-
-class Shuffle(Stage):
-    """A buffered shuffle: fill a buffer of ``buffer_size`` samples, hand out a random one.
-
-    The buffer's contents and the RNG are state. Each sample is converted to JSON at most
-    once while it waits in the buffer (cached beside it), so snapshotting the state for every
-    item, as Prefetch does, costs a list copy and not a re-encoding of the whole buffer.
-    ``buffer_size=1`` is the identity.
+    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
+    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
+    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
+    an error unless ``truncate=True``.
     """
 
-    def __init__(self, src, buffer_size, *, seed=0):
-        self.src, self.buffer_size, self.seed = src, buffer_size, seed
-        self.config = {"buffer_size": buffer_size, "seed": seed}
-        self.rng = random.Random(seed)
-        self.buffer = []  # [sample, its to_json() form or None]
-        self.exhausted = False
+    def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
+        self.src, self.length, self.pad_id = src, length, pad_id
+        self.label_pad_id, self.truncate = label_pad_id, truncate
+        self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
+                       "truncate": truncate}
 
     def __next__(self):
-        while not self.exhausted and len(self.buffer) < self.buffer_size:
-            try:
-                self.buffer.append([next(self.src), None])
-            except StopIteration:
-                self.exhausted = True
-        if not self.buffer:
-            raise StopIteration
-        i = self.rng.randrange(len(self.buffer))
-        self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
-        return self.buffer.pop()[0]
+        ids, labels = _ids_and_labels(next(self.src))
+        if len(ids) > self.length:
+            if not self.truncate:
+                raise ValueError(f"Pad: a sample of {len(ids)} tokens is longer than "
+                                 f"length={self.length}; pass truncate=True to cut such samples")
+            ids, labels = ids[:self.length], labels[:self.length]
+        return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
 
-    def state_dict(self):
-        for entry in self.buffer:
-            if entry[1] is None:
-                entry[1] = to_json(entry[0])
-        return self._state(buffer=[entry[1] for entry in self.buffer], exhausted=self.exhausted,
-                           rng=rng_state(self.rng))
 
-    def load_state_dict(self, state):
-        self._load(state)
-        self.buffer = [[from_json(s), s] for s in state["buffer"]]
-        self.exhausted = state["exhausted"]
-        set_rng_state(self.rng, state["rng"])
-
+# ----------------------------------------------------------------------------------------------
+# Batching and prefetching: collate, Batch, Prefetch
+# ----------------------------------------------------------------------------------------------
 
 def collate(samples):
     """Stacks the tensors of a list of samples; other fields become lists."""
@@ -1459,7 +1514,7 @@ class Prefetch(Stage):
 
     def state_dict(self):
         upstream = self._last_state if self._thread is not None else self.src.state_dict()
-        return {"config": self.config, "upstream": upstream}
+        return self._state(upstream=upstream)
 
     def load_state_dict(self, state):
         if self._thread is not None:
@@ -1479,7 +1534,7 @@ class Prefetch(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Mixing domains
+# Mixing domains: OnlineMixer, Mix
 # ----------------------------------------------------------------------------------------------
 
 class OnlineMixer:
@@ -1572,13 +1627,13 @@ class Mix(Stage):
         return sample
 
     def state_dict(self):
-        return {"config": self.config, "rng": rng_state(self.rng),
-                "upstream": [p.state_dict() for p in self.pipelines],
-                "mixer": self.mixer.state_dict() if self.mixer else None}
+        return self._state(rng=_rng_to_json(self.rng),
+                           upstream=[p.state_dict() for p in self.pipelines],
+                           mixer=self.mixer.state_dict() if self.mixer else None)
 
     def load_state_dict(self, state):
-        self._check_config(state["config"])
-        set_rng_state(self.rng, state["rng"])
+        self._load(state)  # the config (Mix has no src: its upstreams are the domains, below)
+        _rng_from_json(self.rng, state["rng"])
         for pipeline, upstream in zip(self.pipelines, state["upstream"]):
             pipeline.load_state_dict(upstream)
         if self.mixer:
@@ -1590,7 +1645,7 @@ class Mix(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Resuming on another number of ranks
+# Resuming on another number of ranks: reshard (DESIGN.md section 4)
 # ----------------------------------------------------------------------------------------------
 
 def reshard(pipeline, states):
@@ -1602,8 +1657,11 @@ def reshard(pipeline, states):
     rank that owned it had read (its Tokenize batch re-read only up to the documents it had
     handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
     new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
-    slots and buffers. Stages whose state cannot be split this way (Take, Stride, Chunk, Pack,
-    Sequence) are refused. Returns counts for the log.
+    slots and buffers. reshard finds the pipeline's Files (which knows the new rank and world
+    size) and asks the top stage for its merged state; each stage merges its own fields and
+    asks its upstream in turn (Stage.reshard_state, Resharding.merge). Stages whose state
+    cannot be split this way (Take, Stride, Chunk, Pack, Sequence) keep the default
+    reshard_state, which refuses them. Returns counts for the log.
     """
     files = pipeline
     while not isinstance(files, Files):
@@ -1611,48 +1669,122 @@ def reshard(pipeline, states):
             raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
                              f"number of ranks; this one reads {type(files).__name__}")
         files = files.src
-    rank, world = files.config["rank"], files.config["world_size"]
-    mine = [i for i in range(len(states)) if i % world == rank]  # old ranks whose buffers we get
-    report = {"old_world_size": len(states), "documents_reread": 0, "sequences_moved": 0,
-              "tokens_moved": 0}
+    ctx = Resharding(files.config["rank"], files.config["world_size"], len(states))
+    pipeline.load_state_dict(ctx.merge(pipeline, states))
+    return ctx.report
 
-    def merge(stage, olds):
-        name = type(stage).__name__
-        ups = [o.get("upstream") for o in olds]
+
+class Resharding:
+    """What reshard hands every stage's reshard_state: the new rank and world size, the old
+    ranks whose buffered work moves to this rank (``mine``), and the counts for the log."""
+
+    def __init__(self, rank, world_size, old_world_size):
+        self.rank, self.world_size = rank, world_size
+        self.mine = [i for i in range(old_world_size) if i % world_size == rank]
+        self.report = {"old_world_size": old_world_size, "documents_reread": 0,
+                       "sequences_moved": 0, "tokens_moved": 0}
+
+    def merge(self, stage, olds):
+        """``stage``'s state on this rank, from the states its old ranks saved (``olds``)."""
         for old in olds:  # the arguments that shape the stream, but where each rank reads
             stage._check_config(old.get("config", {}), ignore=("rank", "world_size"))
-        if isinstance(stage, Tokenize):
-            if not isinstance(stage.src, Files):
-                raise ValueError("reshard: Tokenize must read straight from Files")
-            report["documents_reread"] += sum(o["skip"] for o in olds)
-            advanced = [stage.src.advanced(o["upstream"], o["skip"], stage.n_pieces)
-                        for o in olds]
-            return {"config": stage.config, "upstream": merge(stage.src, advanced), "skip": 0}
-        if isinstance(stage, Files):
-            slots = {s["pos"] % stage.n_slots: s for o in olds for s in o["slots"]}
-            keep = sorted(s for s in slots if s % world == rank)
-            # Where one old rank owned exactly these slots, its round-robin turn carries over.
-            turns = [o["turn"] for o in olds
-                     if [s["pos"] % stage.n_slots for s in o["slots"]] == keep]
-            return {"config": stage.config, "turn": turns[0] if turns else 0,
-                    "skipped": sum(o["skipped"] for o in olds) if rank == 0 else 0,
-                    "slots": [slots[s] for s in keep]}
-        if isinstance(stage, ConcatChunk):
-            rest = [t for i in mine for t in olds[i]["rest"]]
-            report["tokens_moved"] += sum(len(olds[i]["rest"]) for i in mine if i != rank)
-            return {"config": stage.config, "upstream": merge(stage.src, ups), "rest": rest}
-        if isinstance(stage, Shuffle):
-            buffer = [sample for i in mine for sample in olds[i]["buffer"]]
-            report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in mine if i != rank)
-            rng = set_rng_state(random.Random(), olds[rank % len(olds)]["rng"])
-            if rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
-                rng.seed(f"{rng.getrandbits(64)}-{rank}")
-            return {"config": stage.config, "upstream": merge(stage.src, ups), "buffer": buffer,
-                    "exhausted": False, "rng": rng_state(rng)}
-        if isinstance(stage, (Take, Stride, Chunk, Pack, Sequence)) or stage.src is None:
-            raise ValueError(f"reshard: the state of {name} cannot be split across ranks")
-        # Stateless stages (Map, Filter, EnsureBosEos, Pad, Batch, Prefetch) keep their config.
-        return {"config": stage.config, "upstream": merge(stage.src, ups)}
+        return stage.reshard_state(olds, self)
 
-    pipeline.load_state_dict(merge(pipeline, states))
-    return report
+
+# ----------------------------------------------------------------------------------------------
+# Stages outside the trainer's pipelines: Map, Filter, Take, Stride, Chunk
+# ----------------------------------------------------------------------------------------------
+
+class Map(Stage):
+    """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
+
+    def __init__(self, src, fn):
+        self.src, self.fn = src, fn
+
+    def __next__(self):
+        return self.fn(next(self.src))
+
+
+class Filter(Map):
+    """Keeps the samples for which ``fn`` is true."""
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            if self.fn(sample):
+                return sample
+
+
+class Take(Stage):
+    """The first ``n`` samples."""
+
+    def __init__(self, src, n):
+        self.src, self.n, self.count = src, n, 0
+        self.config = {"n": n}
+
+    def __next__(self):
+        if self.count >= self.n:
+            raise StopIteration
+        sample = next(self.src)
+        self.count += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(count=self.count)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.count = state["count"]
+
+
+class Stride(Stage):
+    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
+
+    def __init__(self, src, offset, interval):
+        if not 0 <= offset < interval:
+            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
+        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
+        self.config = {"offset": offset, "interval": interval}
+
+    def __next__(self):
+        while True:
+            sample = next(self.src)
+            self.index += 1
+            if (self.index - 1) % self.interval == self.offset:
+                return sample
+
+    def state_dict(self):
+        return self._state(index=self.index)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.index = state["index"]
+
+
+class Chunk(Stage):
+    """Cuts each document on its own into pieces of ``length`` tokens.
+
+    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
+    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
+    """
+
+    def __init__(self, src, length, *, drop_remainder=True):
+        self.src, self.length, self.drop_remainder = src, length, drop_remainder
+        self.config = {"length": length, "drop_remainder": drop_remainder}
+        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
+
+    def __next__(self):
+        while True:
+            left = len(self.doc) - self.pos
+            if left >= self.length or (left > 0 and not self.drop_remainder):
+                piece = self.doc[self.pos:self.pos + self.length]
+                self.pos += len(piece)
+                return {"input_ids": as_tensor(piece)}
+            self.doc, self.pos = array.array("q", next(self.src)["input_ids"]), 0
+
+    def state_dict(self):
+        return self._state(rest=self.doc[self.pos:].tolist())
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.doc, self.pos = array.array("q", state["rest"]), 0
