@@ -267,3 +267,61 @@ def test_a_second_run_in_the_same_directory_is_refused(tiny_model, tmp_path):
     assert result.returncode != 0
     assert "Another process is training in" in result.stderr
     assert sorted(p.name for p in exp_dir.iterdir()) == [".lock"]
+
+
+def test_grad_accum_resumes_exactly_and_the_global_batch_may_be_regrouped(
+        tiny_model, tmp_path):
+    """--batch-size 2 --grad-accum 2, killed after step 13, resumes to the bits of a straight
+    run. Then the same global batch regrouped on resume: 4 x 1 up to step 10, 2 x 2 after it.
+    The regrouped run reads the very same sequences (loader files byte-identical at the end)."""
+    def accum(name, **overrides):
+        return train_args(tmp_path, tiny_model, name, batch_size=2, grad_accum=2, **overrides)
+
+    assert train(accum("straight")).returncode == 0
+    kill_at(start(accum("killed"), tmp_path / "log.txt"), tmp_path / "killed", 13)
+    result = train(accum("killed"))
+    assert result.returncode == 0, result.stderr
+    assert resumed_steps(result.stderr) == [10]
+    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+
+    result = train(train_args(tmp_path, tiny_model, "regrouped", batch_size=4, max_steps=10))
+    assert result.returncode == 0, result.stderr
+    first = metrics(tmp_path / "regrouped")
+    result = train(accum("regrouped"))
+    assert result.returncode == 0, result.stderr
+    assert resumed_steps(result.stderr) == [10]
+    rows = metrics(tmp_path / "regrouped")
+    assert rows[:10] == first and [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    final = f"checkpoints/step-{MAX_STEPS:06d}/loader-rank0.json"
+    assert digest(tmp_path / "regrouped" / final) == digest(tmp_path / "straight" / final)
+
+
+def test_init_from_pretrained_starts_from_the_saved_weights(tiny_model, tmp_path):
+    """--init-from-pretrained loads the weights of --model-name: the loss of step 1 (computed
+    before any update) is those weights' loss on the first batch. A fresh init's is not."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    import train_llm
+
+    config = AutoConfig.from_pretrained(tiny_model, resid_pdrop=0.0, embd_pdrop=0.0,
+                                        attn_pdrop=0.0)  # no dropout: a loss without RNG
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "pretrained")
+    argv = train_args(tmp_path, tmp_path / "pretrained", max_steps=1)
+
+    args = train_llm.parse_args(argv)  # the trainer's first batch, built the same way
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    loader = train_llm.build_pipeline(args.dataset, tokenizer, args, 0, 1, train=True)
+    batch = next(loader)
+    loader.close()
+    with torch.no_grad():
+        sums, counts = train_llm.sequence_losses(*train_llm.forward(model, batch, "cpu"))
+    expected = (sums.sum() / counts.sum()).item()
+
+    for name, flags, same in (("loaded", ["--init-from-pretrained"], True), ("fresh", [], False)):
+        result = train([*train_args(tmp_path, tmp_path / "pretrained", name, max_steps=1),
+                        *flags])
+        assert result.returncode == 0, result.stderr
+        loss = metrics(tmp_path / name)[0]["loss"]
+        assert (abs(loss - expected) < 1e-5) == same, (name, loss, expected)
