@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import ENV, ROOT, digest, global_step, kill_at, metrics, resumed_steps
+from test_train import ENV, ROOT, digest, kill_at, metrics, resumable_step, resumed_steps
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import PreTrainedTokenizerFast
@@ -325,7 +325,7 @@ def kill_until_done(args, exp_dir, log, at=(4, 8)):
     rng = random.Random(0)
     expected = []
     for step in at:
-        expected.append(global_step(exp_dir))
+        expected.append(resumable_step(exp_dir))
         with open(log, "ab") as out:
             proc = subprocess.Popen(command(args, 2), cwd=ROOT, env=ENV, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -333,7 +333,7 @@ def kill_until_done(args, exp_dir, log, at=(4, 8)):
         kill_at(proc, exp_dir, step, rng.uniform(0, 0.02), timeout=120,
                 kill=lambda: os.killpg(proc.pid, signal.SIGKILL))  # noqa: B023
         assert_no_orphans(exp_dir)
-    expected.append(global_step(exp_dir))
+    expected.append(resumable_step(exp_dir))
     result = run(args, ranks=2)
     assert resumed_steps(log.read_text() + result.stderr) == [s for s in expected if s]
     assert expected[-1] > 0
