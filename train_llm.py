@@ -22,6 +22,7 @@ import os
 import pickle
 import random
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -37,8 +38,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
 import wandb
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -55,6 +61,7 @@ DEFAULT_DATA = {"pretrain": "data/sample/*/", "sft": "data/sft/"}
 # batch counts as one number, the global batch: --batch-size and --grad-accum may change with
 # the world size. Everything else (--max-steps, logging, checkpointing, threads) may change.
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
+               "init_from",
                "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
                "active_shards", "shuffle_buffer", "epochs", "fsdp", "task", "mix", "odm",
                "odm_warmup_steps", "odm_alpha")
@@ -200,6 +207,7 @@ def main():
 
     progress.close()
     train_loader.close()
+    export_hf(model, tokenizer, exp_dir / "hf", state, ctx)
     log.close()
     if ctx.distributed:
         dist.destroy_process_group()
@@ -311,10 +319,20 @@ def init_distributed(args, rank, world_size):
 # ----------------------------------------------------------------------------------------------
 
 def build_model(args, device):
-    """The tokenizer, and the model of --model-name's config: fresh random weights, or the
-    saved ones with --init-from-pretrained. Float32 weights (autocast does bf16 on a GPU)."""
+    """The tokenizer, and the model: --model-name's config with fresh random weights, its saved
+    weights (--init-from-pretrained), or the weights of an earlier run or an HF directory
+    (--init-from: pretrain -> SFT). Float32 weights (autocast does bf16 on a GPU)."""
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    config = AutoConfig.from_pretrained(args.model_name, use_cache=False)
+    if args.init_from:  # its architecture too: --model-name is not used
+        model = utils.load_trained(args.init_from)[0]
+        model.config.use_cache = False
+    elif args.init_from_pretrained:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name, use_cache=False,
+                                                     dtype=torch.float32)
+    else:
+        config = AutoConfig.from_pretrained(args.model_name, use_cache=False)
+        model = AutoModelForCausalLM.from_config(config)
+    config = model.config
     if len(tokenizer) > config.vocab_size:
         sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only "
                  f"{config.vocab_size} embeddings: pick a matching --model-name.")
@@ -322,11 +340,6 @@ def build_model(args, device):
     if positions and args.seq_length > positions:
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
-    if args.init_from_pretrained:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name, config=config,
-                                                     dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     return tokenizer, model
@@ -649,6 +662,27 @@ def restore_loader(loader, states, saved_world, ctx):
         sys.exit(f"Cannot resume on {ctx.world_size} ranks what {saved_world} saved: {e}")
     LOGGER.info(f"Data of {saved_world} rank(s) moved to {ctx.world_size}: no document "
                 f"skipped or repeated; {report}")
+
+
+def export_hf(model, tokenizer, out, state, ctx):
+    """The trained model in the Hugging Face layout (safetensors) with its tokenizer, so that
+    AutoModelForCausalLM.from_pretrained(out) works anywhere. Written when a run ends, from the
+    weights of its last checkpoint; ``train_llm.json`` beside it records the run's config.
+    With FSDP every rank takes part in gathering the full weights; rank 0 writes them."""
+    weights = None
+    if isinstance(model, FSDPModule):  # the full weights, gathered from every rank's shards
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+    if ctx.rank == 0:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrap(model).save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "train_llm.json").write_text(json.dumps(state["config"], indent=2))
+        shutil.rmtree(out, ignore_errors=True)  # a whole export or none: never half of one
+        os.rename(tmp, out)
+        LOGGER.info(f"Exported the model for transformers: {out}")
+    ctx.barrier()
 
 
 def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
@@ -983,6 +1017,9 @@ def get_parser():
         help="Hugging Face model name or path; its config shapes a freshly initialized model")
     add("--init-from-pretrained", action="store_true",
         help="load the weights of --model-name instead of initializing them randomly")
+    add("--init-from", default=None, metavar="PATH",
+        help="start a new run from the weights (and architecture) of a run directory, a "
+             "checkpoint directory or a Hugging Face directory, e.g. pretrain -> --task sft")
     add("-b", "--batch-size", type=at_least(1), default=8,
         help="sequences per micro-batch (per rank)")
     add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")

@@ -14,6 +14,7 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -288,6 +289,50 @@ def set_rng_state(state):
 # ----------------------------------------------------------------------------------------------
 # Checkpoint files (layout: DESIGN.md section 3)
 # ----------------------------------------------------------------------------------------------
+
+def find_checkpoint(path):
+    """The checkpoint directory that ``path`` means: a checkpoint directory itself, or the one
+    a run directory resumes from (see run_state)."""
+    path = Path(path)
+    if path.name.startswith("step-") and (path / "state.json").exists():
+        return path
+    state, _ = run_state(path)
+    if state is None:
+        raise OSError(f"{path} is neither a run directory with a checkpoint nor a checkpoint")
+    return path / state["checkpoint"]
+
+
+def checkpoint_weights(ckpt_dir):
+    """The model's full state dict in a checkpoint: model.pt, or the model part of the DCP
+    shards that --fsdp writes (merged here into one file first, then loaded)."""
+    if (ckpt_dir / "model.pt").exists():
+        return load(ckpt_dir / "model.pt", "cpu")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
+        return load(Path(tmp) / "full.pt", "cpu")["model"]
+
+
+def load_trained(path):
+    """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
+    directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
+    as a run's hf/) or a Hub name. The model is float32, on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = Path(path)
+    if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
+        record = path / "train_llm.json"  # what hf/ says about the run that made it
+        config = json.loads(record.read_text()) if record.exists() else None
+        return (AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
+                AutoTokenizer.from_pretrained(str(path)), config)
+    ckpt_dir = find_checkpoint(path)
+    config = json.loads((ckpt_dir / "state.json").read_text())["config"]
+    source = config.get("init_from") or config["model_name"]  # where its architecture is
+    model_config = (load_trained(source)[0].config if config.get("init_from")
+                    else AutoConfig.from_pretrained(source))
+    model = AutoModelForCausalLM.from_config(model_config)
+    model.load_state_dict(checkpoint_weights(ckpt_dir))
+    return model, AutoTokenizer.from_pretrained(config["tokenizer"]), config
+
 
 def load(path, device):
     # weights_only: a checkpoint is data, and unpickling arbitrary objects could run code.

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from test_train import ENV, ROOT, digest, kill_at, metrics, resumable_step, resumed_steps
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import data
 import train_llm
@@ -432,6 +432,9 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
         dcp_to_torch_save(ckpt / "dcp", tmp_path / f"{exp_dir.name}.pt")
         weights.append(torch.load(tmp_path / f"{exp_dir.name}.pt", weights_only=True)["model"])
     assert_same_weights(*weights)
+    # The hf/ export gathers the shards: the final weights, in plain transformers.
+    hf = AutoModelForCausalLM.from_pretrained(straight / "hf").state_dict()
+    assert_same_weights({k: v for k, v in hf.items() if k in weights[0]}, weights[0])
     ddp = final_model(two_ranks)
     for name, tensor in weights[0].items():
         torch.testing.assert_close(tensor, ddp[name], rtol=1e-3, atol=1e-4)

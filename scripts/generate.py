@@ -1,0 +1,58 @@
+"""Continue a prompt with a trained model: a run directory (its newest checkpoint, no export
+needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name.
+
+    python scripts/generate.py outputs/demo --prompt "The river"
+    python scripts/generate.py outputs/demo-sft --prompt "Name three colors." --max-new-tokens 60
+
+A model fine-tuned with --task sft sees the prompt inside the instruction template it was
+trained with (--no-template: the bare prompt). The same --seed gives the same text.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import data  # noqa: E402
+import utils  # noqa: E402
+
+
+def main():
+    transformers.utils.logging.disable_progress_bar()  # no bars for loading tiny files
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", help="run directory, checkpoint directory, HF directory or name")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature (0: greedy, always the likeliest token)")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-template", action="store_true",
+                        help="do not wrap the prompt in the SFT instruction template")
+    args = parser.parse_args()
+
+    model, tokenizer, config = utils.load_trained(args.model)
+    model.to(args.device).eval()
+    text = args.prompt
+    if config and config.get("task") == "sft" and not args.no_template:
+        text = data.PROMPT.format(preamble=data.PREAMBLE, instruction=text)  # as trained
+    # Training put BOS before every document (data.EnsureBosEos): so does the prompt here.
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)],
+                       device=args.device)
+    torch.manual_seed(args.seed)
+    sample = args.temperature > 0
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                         max_new_tokens=args.max_new_tokens, do_sample=sample,
+                         temperature=args.temperature if sample else None,
+                         top_k=args.top_k if sample else None,
+                         pad_token_id=tokenizer.eos_token_id)
+    print(text + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""After training: the hf/ export, scripts/export_hf.py, scripts/generate.py, --init-from."""
+
+import runpy
+import sys
+
+import pytest
+import torch
+from test_train import ROOT, train, train_args
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import utils
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model):
+    """A 10-step run with checkpoints at steps 5 and 10."""
+    save_dir = tmp_path_factory.mktemp("after")
+    result = train(train_args(save_dir, tiny_model, max_steps=10, ckpt_freq=5, val_freq=5))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "run"
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def script(name, argv, capsys, monkeypatch):
+    """Run scripts/NAME.py in this process (no start-up cost); what it printed."""
+    monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
+    runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeypatch):
+    """{run}/hf/ loads in plain transformers with the last checkpoint's logits; export_hf.py
+    exports an older checkpoint, whose logits differ."""
+    hf = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    assert AutoTokenizer.from_pretrained(run_dir / "hf").encode("the river")
+    ids = torch.arange(3, 35).view(2, 16)
+    for step, same in ((10, True), (5, False)):
+        model = utils.load_trained(run_dir / f"checkpoints/step-{step:06d}")[0]
+        assert torch.equal(logits(model, ids), logits(hf, ids)) == same, step
+    out = tmp_path / "old"
+    script("export_hf", [run_dir, "--checkpoint", run_dir / "checkpoints/step-000005",
+                         "--out", out], capsys, monkeypatch)
+    old = utils.load_trained(run_dir / "checkpoints/step-000005")[0]
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out), ids), logits(old, ids))
+
+
+def test_generate_is_deterministic_per_seed(run_dir, capsys, monkeypatch):
+    def text(model, seed):
+        return script("generate", [model, "--prompt", "The river", "--seed", seed,
+                                   "--max-new-tokens", 12], capsys, monkeypatch)
+
+    first = text(run_dir, 0)
+    assert first.startswith("The river") and len(first) > len("The river\n")
+    assert text(run_dir, 0) == first == text(run_dir / "hf", 0)  # the same weights
+    assert text(run_dir, 1) != first
+
+
+def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tmp_path, capsys,
+                                                         monkeypatch):
+    """A new run starts from the weights of each kind of source. Its one update at --lr 1e-30
+    is below float32's resolution, so its final weights must equal the source's, bit for
+    bit; the pretrain -> SFT chain goes through --task sft here."""
+    sources = {"run": run_dir, "checkpoint": run_dir / "checkpoints/step-000005",
+               "hf": run_dir / "hf"}
+    for name, source in sources.items():
+        result = train([*train_args(tmp_path, tiny_model, name, max_steps=1, lr=1e-30,
+                                    min_lr=0, task="sft", seq_length=64),
+                        f"--init-from={source}"])
+        assert result.returncode == 0, result.stderr
+        expected = utils.load_trained(source)[0].state_dict()
+        got = utils.load(tmp_path / name / "checkpoints/step-000001/model.pt", "cpu")
+        assert all(torch.equal(got[k], expected[k]) for k in got), name
+    # The SFT model's prompt is wrapped in the template it was trained with.
+    capsys.readouterr()
+    for flags, template in (([], True), (["--no-template"], False)):
+        out = script("generate", [tmp_path / "run", "--prompt", "Name a color.",
+                                  "--max-new-tokens", 5, *flags], capsys, monkeypatch)
+        assert ("### Instruction:\nName a color." in out) == template, out
