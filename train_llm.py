@@ -53,7 +53,13 @@ import data
 import utils
 
 LOGGER = logging.getLogger("train_llm")
+LOG_FORMAT = "[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s"
+# For train.log alone: how a run failed, which the console shows in its own way.
+FILE_LOG = logging.getLogger("train_llm.file")
+FILE_LOG.propagate = False
+FILE_LOG.addHandler(logging.NullHandler())
 DEFAULT_DATA = {"pretrain": "data/sample/*/", "sft": "data/sft/"}
+DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.path.join do?"}
 
 # Arguments that decide what the next step computes: the data stream, the model and the update
 # rule (the optimizer and scheduler restore their hyperparameters from the checkpoint, so a
@@ -76,9 +82,8 @@ def main():
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1. Only rank 0 logs
     # at INFO level and writes logs, metrics and state.json; every rank writes its loader state.
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    logging.basicConfig(format=f"[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s",
+    logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
-    LOGGER.info(args)
 
     # One run per directory: rank 0 holds a lock on it for as long as it lives (a second run
     # would overwrite this one's checkpoints). Every rank dies with torchrun, never orphaned.
@@ -86,11 +91,15 @@ def main():
     if rank == 0:
         exp_dir.mkdir(parents=True, exist_ok=True)
         lock = utils.lock(exp_dir)  # noqa: F841 (held until the process exits)
+        log_to_file(exp_dir / "train.log", rank)
+    LOGGER.info(args)
     if "LOCAL_RANK" in os.environ:
         utils.die_with_parent()
     state = open_run(args, exp_dir, world_size)  # before any heavy work: a refusal is quick
     if state is None:  # done already: nothing to train
         return
+    if rank == 0:
+        record_args(exp_dir / "args.json", args, world_size)
 
     ctx = init_distributed(args, rank, world_size)
     # Seed every global RNG a library may draw from (torch also seeds CUDA). The same seed on
@@ -129,7 +138,8 @@ def main():
     stop = stop_on_signals()
     save = functools.partial(save_checkpoint, exp_dir, state, model, optimizer, lr_scheduler,
                              train_loader, args, ctx)
-    validate = functools.partial(validation_metrics, model, val_batches, ctx, domains)
+    validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
+                                 tokenizer, args)
     timers = {name: utils.Timer(ctx.device) for name in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
@@ -221,12 +231,36 @@ def parse_args(argv=None):
         args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
     if args.val_dataset is None:
         args.val_dataset = DEFAULT_DATA[args.task] + "val-*.jsonl"
+    if args.sample_prompt is None:
+        args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
     return args
 
 
 # ----------------------------------------------------------------------------------------------
 # Setup: the run directory, the device and the process group
 # ----------------------------------------------------------------------------------------------
+
+def log_to_file(path, rank):
+    """Everything logged also goes to ``path`` (appended across resumes), and so does the
+    traceback of a failure that the console shows as one paragraph (see the end of the file)."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
+    logging.getLogger().addHandler(handler)
+    FILE_LOG.addHandler(handler)
+
+
+def record_args(path, args, world_size):
+    """Append this start's full arguments to args.json, and what changed since the last one
+    (--max-steps raised on resume, say): a run's history of how it was called."""
+    starts = json.loads(path.read_text()) if path.exists() else []
+    now = {**vars(args), "world_size": world_size}
+    before = starts[-1]["args"] if starts else now
+    starts.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "command": shlex.join(sys.argv), "args": now,
+                   "changed": {k: [before.get(k), v] for k, v in now.items()
+                               if before.get(k) != v}})
+    utils.write_atomic(path, json.dumps(starts, indent=2))
+
 
 def open_run(args, exp_dir, world_size):
     """The run state to continue from (a fresh one for a new run), or None if it is done.
@@ -842,10 +876,33 @@ def speed_metrics(timers, tokens, flops_per_token, peak_flops, ctx):
     }
 
 
-def validation_metrics(model, batches, ctx, domains):
+def validation_metrics(model, batches, ctx, domains, tokenizer, args):
     val_loss, per_domain = evaluate(model, batches, ctx, len(domains))
-    return {"val_loss": val_loss,
-            **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
+    metrics = {"val_loss": val_loss,
+               **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
+    if args.sample_tokens:  # remove these two lines and the sample is gone
+        metrics["sample"] = sample(model, tokenizer, args, ctx)
+    return metrics
+
+
+@torch.no_grad()
+def sample(model, tokenizer, args, ctx):
+    """A continuation of --sample-prompt, so a learner sees the model learn to write.
+
+    The same seed at every validation: the text changes only because the weights do. Every
+    rank generates (under FSDP each forward pass is a collective), all the same length; the
+    sampling has its own RNG, so the training stream is not disturbed.
+    """
+    text = args.sample_prompt
+    if args.task == "sft":  # the prompt inside the template the model is trained with
+        text = data.PROMPT.format(preamble=data.PREAMBLE, instruction=text)
+    model.eval()
+    # Eager even under --compile: each new length would otherwise compile the model again.
+    with ctx.autocast(), torch.compiler.set_stance("force_eager"):
+        out = utils.generate(unwrap(model), tokenizer, text, max_new_tokens=args.sample_tokens,
+                             seed=args.seed, fixed_length=True)
+    model.train()
+    return out
 
 
 @torch.no_grad()
@@ -886,7 +943,7 @@ class MetricsLog:
         # The run id is kept in state.json, so a resumed run continues the same wandb curve.
         # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
         state["wandb_run_id"] = wandb.init(
-            project="train-llm", name=args.experiment_name, id=state["wandb_run_id"],
+            project=args.wandb_project, name=args.experiment_name, id=state["wandb_run_id"],
             resume="allow", dir=exp_dir, config=vars(args),
             mode=args.wandb if rank == 0 else "disabled").id
 
@@ -1046,6 +1103,13 @@ def get_parser():
         help="how many newest checkpoints to keep (0: all)")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline",
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
+    add("--wandb-project", default=os.environ.get("WANDB_PROJECT", "train-llm"),
+        help="Weights & Biases project (default: $WANDB_PROJECT if set, else train-llm)")
+    add("--sample-prompt", default=None,
+        help="at each validation, log a continuation of this text (default: 'The'; with "
+             "--task sft an instruction, in the template)")
+    add("--sample-tokens", type=at_least(0), default=32,
+        help="tokens of that continuation (0: no sample)")
     add("--profile-steps", default=None, metavar="FIRST,LAST",
         help="write a torch.profiler trace of steps FIRST to LAST into SAVE_DIR/NAME/profile")
 
@@ -1079,5 +1143,14 @@ if __name__ == "__main__":
     except EXPECTED as e:
         if "--debug" in sys.argv[1:]:
             raise
-        sys.exit(f"{type(e).__name__}: {e}\n(Stopped; the last checkpoint is untouched. "
-                 "--debug shows where this came from.)")
+        message = (f"{type(e).__name__}: {e}\n(Stopped; the last checkpoint is untouched. "
+                   "--debug, or train.log, shows where this came from.)")
+        FILE_LOG.error(message, exc_info=True)
+        sys.exit(message)
+    except SystemExit as e:  # a refusal (its paragraph) or a plain exit
+        if isinstance(e.code, str):
+            FILE_LOG.error(e.code)
+        raise
+    except BaseException:  # a bug, or Ctrl-C twice
+        FILE_LOG.error("Failed", exc_info=True)
+        raise

@@ -110,6 +110,8 @@ def format_metrics(m):
         mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a"
         line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}"
                  f" | MFU {mfu} | {memory}")
+    if "sample" in m:
+        line += f" | sample {m['sample']!r}"
     return line
 
 
@@ -332,6 +334,32 @@ def load_trained(path):
     model = AutoModelForCausalLM.from_config(model_config)
     model.load_state_dict(checkpoint_weights(ckpt_dir))
     return model, AutoTokenizer.from_pretrained(config["tokenizer"]), config
+
+
+def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,
+             fixed_length=False):
+    """The continuation of ``text`` (without it). The sampling draws from a seeded RNG of its
+    own (fork_rng puts the global ones back after), so a training run that samples now and
+    then takes the very same steps as one that does not. ``fixed_length``: never stop early
+    at EOS, so that ranks generating together (FSDP) run the same number of forward passes."""
+    device = next(model.parameters()).device
+    # Training put BOS before every document (data.EnsureBosEos): so does the prompt here.
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
+        max_new_tokens = min(max_new_tokens, limit // 2)
+        ids = ids[:, ids.shape[1] + max_new_tokens - limit:]  # the prompt's end is what counts
+    sample = temperature > 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=sample,
+                             min_new_tokens=max_new_tokens if fixed_length else None,
+                             temperature=temperature if sample else None,
+                             top_k=top_k if sample else None,
+                             pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def load(path, device):

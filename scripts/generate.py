@@ -40,18 +40,8 @@ def main():
     text = args.prompt
     if config and config.get("task") == "sft" and not args.no_template:
         text = data.PROMPT.format(preamble=data.PREAMBLE, instruction=text)  # as trained
-    # Training put BOS before every document (data.EnsureBosEos): so does the prompt here.
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)],
-                       device=args.device)
-    torch.manual_seed(args.seed)
-    sample = args.temperature > 0
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         max_new_tokens=args.max_new_tokens, do_sample=sample,
-                         temperature=args.temperature if sample else None,
-                         top_k=args.top_k if sample else None,
-                         pad_token_id=tokenizer.eos_token_id)
-    print(text + tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    print(text + utils.generate(model, tokenizer, text, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k, seed=args.seed))
 
 
 if __name__ == "__main__":

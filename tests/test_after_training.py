@@ -1,11 +1,13 @@
 """After training: the hf/ export, scripts/export_hf.py, scripts/generate.py, --init-from."""
 
+import json
 import runpy
 import sys
 
 import pytest
 import torch
-from test_train import ROOT, train, train_args
+from test_train import (ROOT, assert_same_run, kill_at, metrics, resumed_steps, start, train,
+                        train_args)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import utils
@@ -80,3 +82,47 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
         out = script("generate", [tmp_path / "run", "--prompt", "Name a color.",
                                   "--max-new-tokens", 5, *flags], capsys, monkeypatch)
         assert ("### Instruction:\nName a color." in out) == template, out
+
+
+def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir, tiny_model,
+                                                                          tmp_path):
+    """An --init-from run that samples at each validation, killed after step 14 and resumed,
+    ends bit-identical to a straight run without samples: the resume is exact and the
+    sampling (its own RNG) leaves the stream of dropout masks alone. The records a run keeps:
+    args.json gets an entry per start, train.log the log of every start."""
+    def run(name, **overrides):
+        return [*train_args(tmp_path, tiny_model, name, **overrides), f"--init-from={run_dir}"]
+
+    result = train(run("straight", sample_tokens=0))
+    assert result.returncode == 0, result.stderr
+    kill_at(start(run("killed"), tmp_path / "log.txt"), tmp_path / "killed", 14)
+    result = train(run("killed"))
+    assert result.returncode == 0, result.stderr
+    assert resumed_steps(result.stderr) == [10]
+    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+
+    samples = {row["step"]: row.get("sample") for row in metrics(tmp_path / "killed")}
+    assert all(isinstance(samples[step], str) and samples[step] for step in (10, 20, 30))
+    assert samples[10] != samples[30]  # the same seed each time: only the weights changed
+    assert not any("sample" in row for row in metrics(tmp_path / "straight"))
+    starts = json.loads((tmp_path / "killed/args.json").read_text())
+    assert len(starts) == 2 and starts[1]["changed"] == {}
+    assert starts[0]["args"]["init_from"] == str(run_dir)
+    log = (tmp_path / "killed/train.log").read_text()
+    assert log.count("Starting") == 1 and log.count("Resuming") == 1 and "Done: 30" in log
+
+
+def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(tmp_path,
+                                                                                tiny_model):
+    result = train(train_args(tmp_path, tiny_model, dataset=tmp_path / "missing.jsonl"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    log = (tmp_path / "run/train.log").read_text()
+    assert "missing.jsonl" in log and "Traceback" in log
+
+
+def test_wandb_project_defaults_to_the_environment(monkeypatch):
+    import train_llm
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    assert train_llm.parse_args(["-e", "x"]).wandb_project == "mine"
+    monkeypatch.delenv("WANDB_PROJECT")
+    assert train_llm.parse_args(["-e", "x"]).wandb_project == "train-llm"
