@@ -175,7 +175,7 @@ def main():
                 # whether a rank got a signal (it may reach the ranks at different steps: they
                 # all stop at the step where any of them saw it).
                 stats = utils.all_reduce_sum(stats, world_size)
-                loss = stats["loss"] / world_size
+                loss = stats["loss"]  # the shares of the ranks add up to the mean
                 grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip)).item()
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -781,11 +781,22 @@ def data_left(batches, step, args, ctx, loader):
 def train_step(model, batches, ctx, timers, n_domains=0):
     """Forward and backward over one step's micro-batches, whose gradients add up.
 
-    Returns the step's numbers on this rank, as named tensors: "loss" (the mean over the
-    micro-batches of each one's loss per scored token) and, with domains, per domain the
-    summed loss, the tokens scored and the sequences ("domain_loss", "domain_tokens",
-    "domain_sequences"), for the mixer and the logs.
+    The gradient is that of the step's mean loss per scored token, over all micro-batches and
+    ranks, however the global batch is cut: each micro-batch's summed loss is divided by the
+    step's total count of scored tokens (counted before any backward, one all-reduce), times
+    the world size, which the ranks' gradient averaging divides out again. (A mean per
+    micro-batch would let a micro-batch with few answer tokens weigh as much as one with many:
+    with --task sft, 8 x 1 and 4 x 2 would train differently.)
+
+    Returns the step's numbers on this rank, as named tensors: "loss" (this rank's share of
+    the step's mean loss; summed over ranks and divided by the world size, the mean) and, with
+    domains, per domain the summed loss, the tokens scored and the sequences ("domain_loss",
+    "domain_tokens", "domain_sequences"), for the mixer and the logs.
     """
+    scored = sum(scored_tokens(batch) for batch in batches).to(ctx.device, torch.float32)
+    if ctx.distributed:
+        dist.all_reduce(scored)
+    scale = ctx.world_size / scored.clamp(min=1)
     stats = {"loss": torch.zeros((), device=ctx.device)}
     if n_domains:
         stats |= {f"domain_{k}": torch.zeros(n_domains, device=ctx.device)
@@ -796,13 +807,13 @@ def train_step(model, batches, ctx, timers, n_domains=0):
             with timers["forward"], ctx.autocast():
                 logits, targets = forward(model, batch, ctx.device)
                 sums, counts = sequence_losses(logits, targets)
-                loss = sums.sum() / counts.sum().clamp(min=1) / len(batches)
+                loss = sums.sum() * scale
             # Backward needs no logits ([batch, seq, vocab], the largest activation):
             # dropping our reference lets them be freed before backward's peak.
             del logits
             with timers["backward"]:
                 loss.backward()
-        stats["loss"] += loss.detach()
+        stats["loss"] += loss.detach() / ctx.world_size
         if n_domains:
             index = torch.tensor(batch["domain"], device=ctx.device)
             for key, value in (("loss", sums.detach()), ("tokens", counts),
@@ -811,18 +822,27 @@ def train_step(model, batches, ctx, timers, n_domains=0):
     return stats
 
 
+def scored_tokens(batch):
+    """How many tokens of a batch the loss scores: each target but the first of a row (nothing
+    predicts it), unless it is -100 (a prompt, padding)."""
+    targets = batch["labels"] if "labels" in batch else batch["input_ids"]
+    return (targets[:, 1:] != -100).sum()
+
+
 def forward(model, batch, device):
     """The logits of a batch and the token ids they are scored against.
 
     Pretraining scores every token. Fine-tuning scores ``labels``: the answer's tokens, with
     the prompt and the padding set to -100. Packed sequences bring ``position_ids`` that
-    restart at every sample. (Attention still sees earlier samples of the same sequence: the
-    default attention has no per-sample mask; padding comes last, so causal attention never
-    looks at it.)
+    restart at every sample; transformers turns those into a causal mask per sample, so packed
+    samples do not see each other (tests/test_step.py checks it), but only without a KV cache:
+    hence use_cache=False, which also saves building a cache that training never reads. A
+    model whose attention ignores packed positions lets a sample see the earlier ones of its
+    sequence; use data.Pad instead of data.Pack for such a model.
     """
     input_ids = batch["input_ids"].to(device)
     positions = batch.get("position_ids")
-    logits = model(input_ids=input_ids,
+    logits = model(input_ids=input_ids, use_cache=False,
                    position_ids=positions.to(device) if positions is not None else None).logits
     return logits, batch["labels"].to(device) if "labels" in batch else input_ids
 

@@ -6,8 +6,16 @@ import sys
 
 import pytest
 import torch
-from test_train import (ROOT, assert_same_run, kill_at, metrics, resumed_steps, start, train,
-                        train_args)
+from test_train import (
+    ROOT,
+    assert_same_run,
+    kill_at,
+    metrics,
+    resumed_steps,
+    start,
+    train,
+    train_args,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import utils
