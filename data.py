@@ -1478,10 +1478,12 @@ class Prefetch(Stage):
     produced, and state_dict() returns the state of the last item handed out: items still in
     the queue at a checkpoint are simply produced again after a resume. The thread is a
     daemon, so an abandoned pipeline never keeps the interpreter alive; close() stops it.
+    ``pin_memory``: the thread copies a batch's tensors into page-locked memory, from which a
+    GPU copies them asynchronously (``.to(device, non_blocking=True)``).
     """
 
-    def __init__(self, src, depth=2):
-        self.src, self.depth = src, depth
+    def __init__(self, src, depth=2, pin_memory=False):
+        self.src, self.depth, self.pin_memory = src, depth, pin_memory
         self._queue = queue.Queue(maxsize=depth)
         self._thread = None
         self._stop = threading.Event()
@@ -1492,6 +1494,9 @@ class Prefetch(Stage):
         try:
             while not self._stop.is_set():
                 item = next(self.src)
+                if self.pin_memory and isinstance(item, dict):
+                    item = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
+                            for k, v in item.items()}
                 self._queue.put((item, self.src.state_dict(), None))
         except Exception as e:  # StopIteration included: it ends the stream downstream too
             self._queue.put((None, None, e))

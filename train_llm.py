@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -374,6 +374,8 @@ def build_model(args, device):
     if positions and args.seq_length > positions:
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
+    if args.activation_checkpointing:  # keep each block's input only; recompute the rest
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     return tokenizer, model
@@ -385,10 +387,14 @@ def parallelize(model, args, ctx):
     gradients and optimizer state across ranks and gathers a block's weights just before it
     runs: for models whose training state does not fit one GPU."""
     if args.fsdp:
+        # On a GPU, FSDP's own mixed precision: blocks gathered and run in bf16 (half the
+        # traffic), gradients reduced in float32; the sharded weights stay float32.
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if ctx.device.type == "cuda" else MixedPrecisionPolicy())
         for module in model.modules():  # HF models name their transformer block classes
             if type(module).__name__ in (model._no_split_modules or ()):
-                fully_shard(module)
-        return fully_shard(model)  # in place: the model is its own shards now
+                fully_shard(module, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)  # in place: the model is its shards now
     if ctx.world_size > 1:
         return DistributedDataParallel(
             model, device_ids=[ctx.device] if ctx.device.index is not None else None)
@@ -475,7 +481,9 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
         return data.Batch(pipe, args.batch_size, drop_last=True)
     pipe = sequences(urls, tokenizer, args, rank, world_size, train)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
-    return data.Prefetch(pipe) if train else pipe
+    # A whole step's micro-batches ready ahead, in pinned memory for asynchronous copies.
+    return (data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=torch.cuda.is_available())
+            if train else pipe)
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
@@ -840,23 +848,28 @@ def forward(model, batch, device):
     model whose attention ignores packed positions lets a sample see the earlier ones of its
     sequence; use data.Pad instead of data.Pack for such a model.
     """
-    input_ids = batch["input_ids"].to(device)
+    # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
     positions = batch.get("position_ids")
-    logits = model(input_ids=input_ids, use_cache=False,
-                   position_ids=positions.to(device) if positions is not None else None).logits
-    return logits, batch["labels"].to(device) if "labels" in batch else input_ids
+    positions = positions.to(device, non_blocking=True) if positions is not None else None
+    logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    return logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
+                    else input_ids)
 
 
 def sequence_losses(logits, targets):
     """Next-token cross-entropy summed over each sequence, and how many tokens were scored:
     two [batch] tensors.
 
-    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. Sums and
-    counts per sequence are what a mean over tokens, or over a domain's sequences, is made of.
+    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. The
+    targets are shifted (and the last position given -100) rather than the logits sliced: a
+    slice of the [batch, seq, vocab] logits would be copied whole. Sums and counts per sequence
+    are what a mean over tokens, or over a domain's sequences, is made of.
     """
-    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
-                                 reduction="none").view(targets.shape[0], -1)
-    return token_loss.sum(dim=1), (targets[:, 1:] != -100).sum(dim=1)
+    targets = F.pad(targets[:, 1:], (0, 1), value=-100)
+    token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                 reduction="none").view(targets.shape)
+    return token_loss.sum(dim=1), (targets != -100).sum(dim=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1056,6 +1069,9 @@ def get_parser():
         help="deterministic GPU kernels: bit-identical runs at about half the "
              "speed (a kernel without a deterministic version warns)")
     add("--compile", action="store_true", help="torch.compile the model")
+    add("--activation-checkpointing", action="store_true",
+        help="recompute each block's activations in backward instead of keeping them: less "
+             "memory (a bigger batch or model) for about a third more compute")
     add("--gc-freq", type=at_least(1), default=50,
         help="run Python's garbage collector every N steps")
     add("--debug", action="store_true",

@@ -16,7 +16,7 @@ import utils
 SEQ, GLOBAL = 24, 8
 
 
-def tiny_model(seed=0):
+def small_model(seed=0):
     config = AutoConfig.from_pretrained(
         os.path.join(os.path.dirname(__file__), "../assets/tiny-gpt2"), n_layer=2, n_embd=32,
         n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -56,7 +56,7 @@ def ddp_rank(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     torch.set_num_threads(1)
-    model = torch.nn.parallel.DistributedDataParallel(tiny_model())
+    model = torch.nn.parallel.DistributedDataParallel(small_model())
     ctx = train_llm.Context(rank, 2, torch.device("cpu"), True)
     weights, loss = one_step(model, sft_batch(), (4 * rank, 4 * rank + 4), 4, ctx)
     loss = utils.all_reduce_sum({"loss": loss}, 2)["loss"]
@@ -70,9 +70,9 @@ def test_sft_step_is_the_same_however_the_global_batch_is_cut(tmp_path):
     one step (<= 0.01% of them off by > 1e-6) and the same logged loss. Before the loss was
     normalized by the step's scored tokens, 4 x 2 moved a fifth of the weights differently."""
     ctx = train_llm.Context(0, 1, torch.device("cpu"), False)
-    expected, loss = one_step(tiny_model(), sft_batch(), (0, GLOBAL), 8, ctx)
+    expected, loss = one_step(small_model(), sft_batch(), (0, GLOBAL), 8, ctx)
     for micro in (4, 2):
-        weights, micro_loss = one_step(tiny_model(), sft_batch(), (0, GLOBAL), micro, ctx)
+        weights, micro_loss = one_step(small_model(), sft_batch(), (0, GLOBAL), micro, ctx)
         assert share_off(weights, expected) <= 1e-4, micro
         assert micro_loss.item() == pytest.approx(loss.item(), rel=1e-5)
 
@@ -95,7 +95,7 @@ def test_packed_samples_do_not_see_each_other(compiled):
     the restart (one long document) the second does see the first. A transformers upgrade or
     a model whose attention ignores packing fails here."""
     device = "cuda" if compiled else "cpu"
-    model = tiny_model().to(device)
+    model = small_model().to(device)
     if compiled:
         model.compile()
     first, second = torch.randint(3, 8192, (2, 10)), torch.randint(3, 8192, (12,))
@@ -115,3 +115,31 @@ def test_packed_samples_do_not_see_each_other(compiled):
                               logits_of_second(first[1], True), atol=1e-5), mode
         assert not torch.allclose(logits_of_second(first[0], False),
                                   logits_of_second(first[1], False), atol=1e-3), mode
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
+    """--activation-checkpointing recomputes activations in backward, dropout masks included
+    (non-reentrant checkpointing restores the RNG): the gradients equal those without it."""
+    grads = []
+    for flags in ([], ["--activation-checkpointing"]):
+        args = train_llm.parse_args(["-e", "x", "--model-name", str(tiny_model), "-s", "32",
+                                     *flags])
+        torch.manual_seed(0)
+        _, model = train_llm.build_model(args, torch.device("cpu"))
+        assert model.is_gradient_checkpointing == bool(flags)
+        torch.manual_seed(1)  # the same dropout masks
+        one_step(model, sft_batch(), (0, GLOBAL), 4, train_llm.Context(0, 1, torch.device("cpu"),
+                                                                         False))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 NVL", 835), ("NVIDIA H100 PCIe", 756),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989),
+    ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA GeForce GTX 1080", None)])
+def test_the_peak_table_matches_each_gpu_to_its_own_row(monkeypatch, name, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak = utils.peak_flops(torch.device("cuda"))
+    assert (peak and round(peak / 1e12)) == tflops
