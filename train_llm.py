@@ -98,8 +98,6 @@ def main():
     state = open_run(args, exp_dir, world_size)  # before any heavy work: a refusal is quick
     if state is None:  # done already: nothing to train
         return
-    if rank == 0:
-        record_args(exp_dir / "args.json", args, world_size)
 
     ctx = init_distributed(args, rank, world_size)
     # Seed every global RNG a library may draw from (torch also seeds CUDA). The same seed on
@@ -128,6 +126,7 @@ def main():
         load_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, train_loader, args, ctx)
     if rank == 0:
         utils.discard_after(exp_dir, state["global_step"])
+        record_args(exp_dir / "args.json", args, world_size)  # a start that trains
         if args.resume_from:  # state.json must not name a checkpoint that was just discarded
             utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
     state["world_size"] = world_size
@@ -171,13 +170,17 @@ def main():
             stats = train_step(model, batches, ctx, timers, len(domains))
             stats["stop"] = torch.tensor(float(stop.is_set()), device=ctx.device)
             with timers["update"]:
-                # One all-reduce for all the step's numbers: the loss, the per-domain sums, and
-                # whether a rank got a signal (it may reach the ranks at different steps: they
-                # all stop at the step where any of them saw it).
+                # The gradients are averaged already, so every rank has the same norm: only
+                # rank 0's is added in. One all-reduce, and one wait for the GPU, for all the
+                # step's numbers: loss, gradient norm, per-domain sums, and whether a rank got
+                # a signal (it may reach the ranks at different steps: they all stop at the
+                # step where any of them saw it).
+                norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                 args.grad_clip))
+                stats["grad_norm"] = norm if ctx.rank == 0 else torch.zeros_like(norm)
                 stats = utils.all_reduce_sum(stats, world_size)
                 loss = stats["loss"]  # the shares of the ranks add up to the mean
-                grad_norm = utils.full(torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), args.grad_clip)).item()
+                grad_norm = stats["grad_norm"]
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     train_loader.close()
                     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping "

@@ -380,7 +380,8 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
                              min_new_tokens=max_new_tokens if fixed_length else None,
                              temperature=temperature if sample else None,
                              top_k=top_k if sample else None,
-                             pad_token_id=tokenizer.eos_token_id)
+                             pad_token_id=tokenizer.eos_token_id,
+                             remove_invalid_values=True)  # broken weights: nonsense, no crash
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 

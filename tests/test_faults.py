@@ -22,9 +22,10 @@ import utils
 
 
 def snapshot(directory):
-    """{relative path: sha256} of every file under a directory."""
+    """{relative path: sha256} of every file under a directory but train.log (a refused start
+    is logged there too)."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.log"}
 
 
 def refused(result, *words):
