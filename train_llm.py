@@ -807,7 +807,6 @@ def train_step(model, batches, ctx, timers, n_domains=0):
     scored = sum(scored_tokens(batch) for batch in batches).to(ctx.device, torch.float32)
     if ctx.distributed:
         dist.all_reduce(scored)
-    scale = ctx.world_size / scored.clamp(min=1)
     stats = {"loss": torch.zeros((), device=ctx.device)}
     if n_domains:
         stats |= {f"domain_{k}": torch.zeros(n_domains, device=ctx.device)
@@ -818,7 +817,7 @@ def train_step(model, batches, ctx, timers, n_domains=0):
             with timers["forward"], ctx.autocast():
                 logits, targets = forward(model, batch, ctx.device)
                 sums, counts = sequence_losses(logits, targets)
-                loss = sums.sum() * scale
+                loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
             # Backward needs no logits ([batch, seq, vocab], the largest activation):
             # dropping our reference lets them be freed before backward's peak.
             del logits
@@ -871,7 +870,7 @@ def sequence_losses(logits, targets):
     """
     targets = F.pad(targets[:, 1:], (0, 1), value=-100)
     token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                 reduction="none").view(targets.shape)
+                                 reduction="none").view(targets.shape)[:, :-1]  # last: 0
     return token_loss.sum(dim=1), (targets != -100).sum(dim=1)
 
 

@@ -3,6 +3,7 @@ and packed samples that do not see each other."""
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -62,7 +63,10 @@ def ddp_rank(rank, port, out):
     loss = utils.all_reduce_sum({"loss": loss}, 2)["loss"]
     if rank == 0:
         torch.save({"weights": weights, "loss": loss}, out)
-    dist.destroy_process_group()
+    dist.barrier()
+    # Straight out: tearing down a gloo group under a DDP model can deadlock on the GIL
+    # (the group's worker thread frees a tensor while the main thread joins it).
+    os._exit(0)
 
 
 def test_sft_step_is_the_same_however_the_global_batch_is_cut(tmp_path):
@@ -79,7 +83,11 @@ def test_sft_step_is_the_same_however_the_global_batch_is_cut(tmp_path):
     with socket.socket() as s:  # a free port on loopback for the two ranks to meet
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(ddp_rank, args=(port, tmp_path / "rank0.pt"), nprocs=2)
+    ranks = mp.start_processes(ddp_rank, args=(port, tmp_path / "rank0.pt"), nprocs=2,
+                               join=False)
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=1):  # raises if a rank failed; never waits forever
+        assert time.monotonic() < deadline, "the two DDP ranks did not finish"
     ddp = torch.load(tmp_path / "rank0.pt", weights_only=True)
     assert share_off(ddp["weights"], expected) <= 1e-4
     assert ddp["loss"] == pytest.approx(loss.item(), rel=1e-5)
