@@ -116,7 +116,8 @@ def main():
 
     domains, weights, mixer = mixture(args)  # ([], None, None) without --mix/--odm
     train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
-                                  weights=weights, mixer=mixer)
+                                  weights=weights, mixer=mixer,
+                                  pin_memory=ctx.device.type == "cuda")
     val_batches = validation_batches(args, tokenizer, domains, rank)
 
     # Resume: everything that evolves during training comes back from the checkpoint. Only
@@ -168,7 +169,8 @@ def main():
 
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             stats = train_step(model, batches, ctx, timers, len(domains))
-            stats["stop"] = torch.tensor(float(stop.is_set()), device=ctx.device)
+            # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
+            stats["stop"] = torch.full((), float(stop.is_set()), device=ctx.device)
             with timers["update"]:
                 # The gradients are averaged already, so every rank has the same norm: only
                 # rank 0's is added in. One all-reduce, and one wait for the GPU, for all the
@@ -246,7 +248,7 @@ def parse_args(argv=None):
 def log_to_file(path, rank):
     """Everything logged also goes to ``path`` (appended across resumes), and so does the
     traceback of a failure that the console shows as one paragraph (see the end of the file)."""
-    handler = logging.FileHandler(path)
+    handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
     logging.getLogger().addHandler(handler)
     FILE_LOG.addHandler(handler)
@@ -463,7 +465,7 @@ def mixture(args):
 
 
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=None,
-                   mixer=None):
+                   mixer=None, pin_memory=False):
     """JSONL documents -> token ids -> chunks of --seq-length -> batches [batch, seq_length].
 
     Training reads --active-shards shards at a time, round-robin, so that a batch mixes
@@ -485,8 +487,7 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
     pipe = sequences(urls, tokenizer, args, rank, world_size, train)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
     # A whole step's micro-batches ready ahead, in pinned memory for asynchronous copies.
-    return (data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=torch.cuda.is_available())
-            if train else pipe)
+    return data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=pin_memory) if train else pipe
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
@@ -800,11 +801,12 @@ def train_step(model, batches, ctx, timers, n_domains=0):
     with --task sft, 8 x 1 and 4 x 2 would train differently.)
 
     Returns the step's numbers on this rank, as named tensors: "loss" (this rank's share of
-    the step's mean loss; summed over ranks and divided by the world size, the mean) and, with
-    domains, per domain the summed loss, the tokens scored and the sequences ("domain_loss",
+    the step's mean loss, already divided by the world size: summed over ranks, the mean) and,
+    with domains, per domain the summed loss, the tokens scored and the sequences ("domain_loss",
     "domain_tokens", "domain_sequences"), for the mixer and the logs.
     """
-    scored = sum(scored_tokens(batch) for batch in batches).to(ctx.device, torch.float32)
+    scored = torch.full((), float(sum(scored_tokens(batch) for batch in batches)),
+                        device=ctx.device)  # counted on the CPU, filled in on the device
     if ctx.distributed:
         dist.all_reduce(scored)
     stats = {"loss": torch.zeros((), device=ctx.device)}
@@ -925,8 +927,9 @@ def sample(model, tokenizer, args, ctx):
     """A continuation of --sample-prompt, so a learner sees the model learn to write.
 
     The same seed at every validation: the text changes only because the weights do. Every
-    rank generates (under FSDP each forward pass is a collective), all the same length; the
-    sampling has its own RNG, so the training stream is not disturbed.
+    rank generates; under FSDP, where each forward pass is a collective, all to the full
+    length (EOS does not end them). The sampling has its own RNG, so the training stream is
+    not disturbed.
     """
     text = args.sample_prompt
     if args.task == "sft":  # the prompt inside the template the model is trained with
@@ -935,7 +938,7 @@ def sample(model, tokenizer, args, ctx):
     # Eager even under --compile: each new length would otherwise compile the model again.
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):
         out = utils.generate(unwrap(model), tokenizer, text, max_new_tokens=args.sample_tokens,
-                             seed=args.seed, fixed_length=True)
+                             seed=args.seed, fixed_length=isinstance(model, FSDPModule))
     model.train()
     return out
 
@@ -1182,13 +1185,13 @@ if __name__ == "__main__":
         if "--debug" in sys.argv[1:]:
             raise
         message = (f"{type(e).__name__}: {e}\n(Stopped; the last checkpoint is untouched. "
-                   "--debug, or train.log, shows where this came from.)")
+                   "--debug, or rank 0's train.log, shows where this came from.)")
         FILE_LOG.error(message, exc_info=True)
         sys.exit(message)
     except SystemExit as e:  # a refusal (its paragraph) or a plain exit
         if isinstance(e.code, str):
             FILE_LOG.error(e.code)
         raise
-    except BaseException:  # a bug, or Ctrl-C twice
+    except BaseException:  # a bug (or Ctrl-C before training has begun)
         FILE_LOG.error("Failed", exc_info=True)
         raise

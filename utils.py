@@ -38,29 +38,39 @@ class Timer:
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
-        self.total, self.events = 0.0, []
+        self.total, self.pairs = 0.0, []  # CUDA: (start, end) events not yet added up
 
     def __enter__(self):
         if self.cuda:
-            self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
         else:
             self.start = time.perf_counter()
 
     def __exit__(self, *exc):
         if self.cuda:
-            self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pairs.append((self.start, end))
+            if len(self.pairs) > 1000:  # a long log interval: add up the finished ones
+                self._add_up(wait=False)
         else:
             self.total += time.perf_counter() - self.start
 
+    def _add_up(self, wait=True):
+        """Add the timed pairs to the total: all of them (waiting for the GPU to get there), or
+        without waiting, those it has finished (on one stream they finish in order)."""
+        if wait and self.pairs:
+            self.pairs[-1][1].synchronize()
+        n = 0
+        while n < len(self.pairs) and self.pairs[n][1].query():
+            n += 1
+        self.total += sum(start.elapsed_time(end) for start, end in self.pairs[:n]) / 1000
+        del self.pairs[:n]
+
     def pop(self):
         """Seconds accumulated since the last pop()."""
-        if self.events:
-            self.events[-1].synchronize()
-            self.total += sum(start.elapsed_time(end) for start, end
-                              in zip(self.events[::2], self.events[1::2])) / 1000
-            self.events = []
+        self._add_up()
         total, self.total = self.total, 0.0
         return total
 
@@ -370,8 +380,8 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
     ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
-        max_new_tokens = min(max_new_tokens, limit // 2)
-        ids = ids[:, ids.shape[1] + max_new_tokens - limit:]  # the prompt's end is what counts
+        max_new_tokens = min(max_new_tokens, limit - 1)
+        ids = ids[:, -(limit - max_new_tokens):]  # the prompt's end is what counts
     sample = temperature > 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

@@ -1,6 +1,9 @@
 """Training speed on this machine's GPU: tokens/s, MFU, data wait and peak memory of
 train_llm.py, eager and compiled, each with the kit's data pipeline and with random tokens
 (no pipeline at all: the baseline the data wait is measured against). One run, one table.
+Tokens/s and MFU count the time inside the trainer's timed blocks (data, forward, backward,
+update), as its log lines do; peak memory is the CUDA allocator's active peak (reserved memory,
+what nvidia-smi shows, is higher), or the process's peak RSS on a CPU.
 
     python scripts/bench_gpu.py                          # GPT-2 124M, seq 1024, 16 x 2 per step
     python scripts/bench_gpu.py --no-compile --steps 40  # eager only
@@ -55,7 +58,7 @@ def random_batches_main(argv):
             return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
         source = RandomBatches(args.batch_size, args.seq_length, len(tokenizer))
         return data.Prefetch(source, depth=args.grad_accum + 1,
-                             pin_memory=torch.cuda.is_available())
+                             pin_memory=kwargs.get("pin_memory", False))
 
     train_llm.build_pipeline = build_pipeline
     sys.argv = ["train_llm.py", *argv]
@@ -117,7 +120,7 @@ def main():
                                                        Path(tmp), args.log_freq)))
     print(f"{args.model_name}, seq {args.seq_length}, {args.batch_size} x {args.grad_accum} per "
           f"step, {args.steps} steps (the first {args.log_freq} not averaged)")
-    print("| mode | data | tokens/s | MFU | data wait | peak memory (GiB) |")
+    print("| mode | data | tokens/s | MFU | data wait | peak memory, active (GiB) |")
     print("|---|---|---|---|---|---|")
     for mode, data_name, r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"

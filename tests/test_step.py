@@ -87,7 +87,10 @@ def test_sft_step_is_the_same_however_the_global_batch_is_cut(tmp_path):
                                join=False)
     deadline = time.monotonic() + 120
     while not ranks.join(timeout=1):  # raises if a rank failed; never waits forever
-        assert time.monotonic() < deadline, "the two DDP ranks did not finish"
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two DDP ranks did not finish")
     ddp = torch.load(tmp_path / "rank0.pt", weights_only=True)
     assert share_off(ddp["weights"], expected) <= 1e-4
     assert ddp["loss"] == pytest.approx(loss.item(), rel=1e-5)
@@ -151,3 +154,38 @@ def test_the_peak_table_matches_each_gpu_to_its_own_row(monkeypatch, name, tflop
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     peak = utils.peak_flops(torch.device("cuda"))
     assert (peak and round(peak / 1e12)) == tflops
+
+
+def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
+    """The CUDA path of utils.Timer, with stand-in events on a fake GPU clock: each block
+    counts from its start event to its end event, a long interval is added up as the GPU
+    finishes, and pop() waits for the rest."""
+    clock = {"now": 0.0, "done": 0.0}  # ms: when each event is recorded; how far the GPU is
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = clock["now"]
+
+        def query(self):
+            return self.at <= clock["done"]
+
+        def synchronize(self):
+            clock["done"] = max(clock["done"], self.at)
+
+        def elapsed_time(self, end):
+            assert end.query()
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = utils.Timer(torch.device("cuda"))
+    for _ in range(1500):
+        with timer:
+            clock["now"] += 2.0
+        clock["now"] += 1.0  # between blocks: not counted
+        clock["done"] = clock["now"] - 100  # the GPU runs behind
+    assert len(timer.pairs) < 1001  # the finished ones were added up along the way
+    assert timer.pop() == pytest.approx(1500 * 2.0 / 1000) and timer.pairs == []
+    assert timer.pop() == 0.0
