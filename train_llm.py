@@ -380,7 +380,7 @@ def build_model(args, device):
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     return tokenizer, model

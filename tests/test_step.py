@@ -137,7 +137,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
                                      *flags])
         torch.manual_seed(0)
         _, model = train_llm.build_model(args, torch.device("cpu"))
-        assert model.is_gradient_checkpointing == bool(flags)
+        assert model.is_activation_checkpointing == bool(flags)
         torch.manual_seed(1)  # the same dropout masks
         one_step(model, sft_batch(), (0, GLOBAL), 4, train_llm.Context(0, 1, torch.device("cpu"),
                                                                          False))
