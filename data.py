@@ -1270,6 +1270,13 @@ PROMPT_WITH_INPUT = ("{preamble}### Instruction:\n{instruction}\n\n### Input:\n{
 PREAMBLE = "Answer the instruction below.\n\n"
 
 
+def instruction_prompt(instruction, input="", preamble=PREAMBLE):
+    """The text before the answer of an instruction record: what a model fine-tuned here was
+    trained to answer (generate.py and the trainer's samples wrap a prompt in it too)."""
+    template = PROMPT_WITH_INPUT if input else PROMPT
+    return template.format(preamble=preamble, instruction=instruction, input=input)
+
+
 class FormatInstructions(Stage):
     """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only.
 
@@ -1318,9 +1325,8 @@ class FormatInstructions(Stage):
                 raise ValueError("FormatInstructions: the chat template renders the prompt "
                                  "differently inside the whole conversation; cannot mask it")
         else:
-            template = PROMPT_WITH_INPUT if record.get("input") else PROMPT
-            text = template.format(preamble=self.preamble, instruction=record["instruction"],
-                                   input=record.get("input", ""))
+            text = instruction_prompt(record["instruction"], record.get("input", ""),
+                                      self.preamble)
             bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
             prompt = ([bos] if bos is not None else []) + self._encode(text)
             ids = prompt + self._encode(record["output"]) + ([eos] if eos is not None else [])

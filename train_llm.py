@@ -22,7 +22,6 @@ import os
 import pickle
 import random
 import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -172,11 +171,9 @@ def main():
             # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
             stats["stop"] = torch.full((), float(stop.is_set()), device=ctx.device)
             with timers["update"]:
-                # The gradients are averaged already, so every rank has the same norm: only
-                # rank 0's is added in. One all-reduce, and one wait for the GPU, for all the
-                # step's numbers: loss, gradient norm, per-domain sums, and whether a rank got
-                # a signal (it may reach the ranks at different steps: they all stop at the
-                # step where any of them saw it).
+                # One all-reduce, and one wait for the GPU, for all the step's numbers: loss,
+                # gradient norm (the same on every rank: rank 0's is added), per-domain sums,
+                # and whether a rank got a signal (all ranks stop where any of them saw one).
                 norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                  args.grad_clip))
                 stats["grad_norm"] = norm if ctx.rank == 0 else torch.zeros_like(norm)
@@ -720,13 +717,7 @@ def export_hf(model, tokenizer, out, state, ctx):
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
     if ctx.rank == 0:
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(model).save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "train_llm.json").write_text(json.dumps(state["config"], indent=2))
-        shutil.rmtree(out, ignore_errors=True)  # a whole export or none: never half of one
-        os.rename(tmp, out)
+        utils.save_hf(out, unwrap(model), tokenizer, state["config"], weights)
         LOGGER.info(f"Exported the model for transformers: {out}")
     ctx.barrier()
 
@@ -835,10 +826,16 @@ def train_step(model, batches, ctx, timers, n_domains=0):
 
 
 def scored_tokens(batch):
-    """How many tokens of a batch the loss scores: each target but the first of a row (nothing
-    predicts it), unless it is -100 (a prompt, padding)."""
+    """How many tokens of a batch the loss scores (see next_token_targets)."""
     targets = batch["labels"] if "labels" in batch else batch["input_ids"]
-    return (targets[:, 1:] != -100).sum()
+    return (next_token_targets(targets) != -100).sum()
+
+
+def next_token_targets(targets):
+    """What each position is scored against: the next token, shifted in place of slicing the
+    [batch, seq, vocab] logits (a slice would be copied whole); the last position, which
+    predicts nothing, and targets of -100 (a prompt, padding) are not scored."""
+    return F.pad(targets[:, 1:], (0, 1), value=-100)
 
 
 def forward(model, batch, device):
@@ -865,12 +862,10 @@ def sequence_losses(logits, targets):
     """Next-token cross-entropy summed over each sequence, and how many tokens were scored:
     two [batch] tensors.
 
-    Token t predicts target t + 1; targets of -100 (a prompt, padding) are not scored. The
-    targets are shifted (and the last position given -100) rather than the logits sliced: a
-    slice of the [batch, seq, vocab] logits would be copied whole. Sums and counts per sequence
-    are what a mean over tokens, or over a domain's sequences, is made of.
+    Token t predicts target t + 1 (next_token_targets). Sums and counts per sequence are what
+    a mean over tokens, or over a domain's sequences, is made of.
     """
-    targets = F.pad(targets[:, 1:], (0, 1), value=-100)
+    targets = next_token_targets(targets)
     token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                  reduction="none").view(targets.shape)[:, :-1]  # last: 0
     return token_loss.sum(dim=1), (targets != -100).sum(dim=1)
@@ -933,7 +928,7 @@ def sample(model, tokenizer, args, ctx):
     """
     text = args.sample_prompt
     if args.task == "sft":  # the prompt inside the template the model is trained with
-        text = data.PROMPT.format(preamble=data.PREAMBLE, instruction=text)
+        text = data.instruction_prompt(text)
     model.eval()
     # Eager even under --compile: each new length would otherwise compile the model again.
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):

@@ -368,6 +368,19 @@ def load_trained(path):
     return model, AutoTokenizer.from_pretrained(config["tokenizer"]), config
 
 
+def save_hf(out, model, tokenizer, config, weights=None):
+    """``model`` (or its full ``weights``) in the Hugging Face layout, with the tokenizer and
+    the run's config as train_llm.json, written as out.tmp and renamed: a whole export or none."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=weights)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "train_llm.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+
+
 def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,
              fixed_length=False):
     """The continuation of ``text`` (without it). The sampling draws from a seeded RNG of its

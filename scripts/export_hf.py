@@ -11,7 +11,6 @@ run's --model-name and --tokenizer are read from there.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,9 +29,7 @@ def main():
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
     args = parser.parse_args()
     model, tokenizer, config = utils.load_trained(args.checkpoint or args.run_dir)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    (args.out / "train_llm.json").write_text(json.dumps(config, indent=2))
+    utils.save_hf(args.out, model, tokenizer, config)
     print(f"Wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 

@@ -39,7 +39,7 @@ def main():
     model.to(args.device).eval()
     text = args.prompt
     if config and config.get("task") == "sft" and not args.no_template:
-        text = data.PROMPT.format(preamble=data.PREAMBLE, instruction=text)  # as trained
+        text = data.instruction_prompt(text)  # as it was trained
     print(text + utils.generate(model, tokenizer, text, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, top_k=args.top_k, seed=args.seed))
 

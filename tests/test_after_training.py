@@ -94,12 +94,16 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
 
 def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir, tiny_model,
                                                                           tmp_path):
-    """An --init-from run that samples at each validation, killed after step 14 and resumed,
-    ends bit-identical to a straight run without samples: the resume is exact and the
-    sampling (its own RNG) leaves the stream of dropout masks alone. The records a run keeps:
-    args.json gets an entry per start, train.log the log of every start."""
+    """An --init-from run on one file that samples at each validation, killed after step 14
+    and resumed, ends bit-identical to a straight run without samples: the resume is exact
+    and the sampling (its own RNG) leaves the stream of dropout masks alone. The records a run
+    keeps: args.json gets an entry per start, train.log the log of every start."""
+    one = tmp_path / "one.jsonl"  # the user's own data, one file (the source ran on shards)
+    one.write_text("".join(p.read_text() for p in sorted(ROOT.glob("data/sample/*/train-*"))))
+
     def run(name, **overrides):
-        return [*train_args(tmp_path, tiny_model, name, **overrides), f"--init-from={run_dir}"]
+        return [*train_args(tmp_path, tiny_model, name, dataset=one, **overrides),
+                f"--init-from={run_dir}"]
 
     result = train(run("straight", sample_tokens=0))
     assert result.returncode == 0, result.stderr
