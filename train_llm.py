@@ -12,6 +12,7 @@ bytes; data.py the data pipeline.
 """
 
 import argparse
+import contextlib
 import datetime
 import functools
 import glob
@@ -57,7 +58,9 @@ LOG_FORMAT = "[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s"
 FILE_LOG = logging.getLogger("train_llm.file")
 FILE_LOG.propagate = False
 FILE_LOG.addHandler(logging.NullHandler())
-DEFAULT_DATA = {"pretrain": "data/sample/*/", "sft": "data/sft/"}
+# The shipped defaults live next to this file, so the script runs from any directory.
+KIT = Path(__file__).resolve().parent
+DEFAULT_DATA = {"pretrain": f"{KIT}/data/sample/*/", "sft": f"{KIT}/data/sft/"}
 DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.path.join do?"}
 
 # Arguments that decide what the next step computes: the data stream, the model and the update
@@ -69,7 +72,9 @@ FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_p
                "init_from",
                "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
                "active_shards", "shuffle_buffer", "epochs", "fsdp", "task", "mix", "odm",
-               "odm_warmup_steps", "odm_alpha")
+               "odm_warmup_steps", "odm_alpha", "data_format")
+# The flags that may name local files: recorded as absolute paths (see parse_args).
+LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
 # The per-rank files of a checkpoint (DESIGN.md section 3); only save_checkpoint and
 # load_checkpoint read or write checkpoint files.
@@ -94,7 +99,7 @@ def main():
     LOGGER.info(args)
     if "LOCAL_RANK" in os.environ:
         utils.die_with_parent()
-    state = open_run(args, exp_dir, world_size)  # before any heavy work: a refusal is quick
+    state = open_run(args, exp_dir, world_size, rank)  # before heavy work: a refusal is quick
     if state is None:  # done already: nothing to train
         return
 
@@ -138,7 +143,7 @@ def main():
     save = functools.partial(save_checkpoint, exp_dir, state, model, optimizer, lr_scheduler,
                              train_loader, args, ctx)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
-                                 tokenizer, args)
+                                 tokenizer, args, utils.prompt_format(state["config"]))
     timers = {name: utils.Timer(ctx.device) for name in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
@@ -166,6 +171,8 @@ def main():
                 save()
                 break
 
+            if step == 1:  # empty documents would train on BOS and EOS alone, for ever
+                refuse_untrainable(batches, tokenizer, args, ctx, train_loader)
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             stats = train_step(model, batches, ctx, timers, len(domains))
             # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
@@ -228,14 +235,33 @@ def main():
 
 
 def parse_args(argv=None):
-    args = get_parser().parse_args(argv)
+    parser = get_parser()
+    args = parser.parse_args(argv)
     if args.dataset is None:  # the shipped sample data of the task
         args.dataset = DEFAULT_DATA[args.task] + "train-*.jsonl"
     if args.val_dataset is None:
         args.val_dataset = DEFAULT_DATA[args.task] + "val-*.jsonl"
     if args.sample_prompt is None:
         args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
+    # A run records where its local files are, so that it resumes, and generate.py finds its
+    # tokenizer, from any directory. Hub names ("gpt2") stay as they are.
+    for name in LOCAL_PATHS:
+        setattr(args, name, utils.local_path(getattr(args, name)))
+    check_args(parser, args)
     return args
+
+
+def check_args(parser, args):
+    """What no single flag's type can check: flags against each other, the run directory."""
+    save_dir = Path(args.save_dir).resolve()
+    exp_dir = (save_dir / args.experiment_name).resolve()
+    if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
+        parser.error(f"--experiment-name {args.experiment_name!r} must name a directory inside "
+                     f"--save-dir {args.save_dir}: the run writes (and deletes its own old "
+                     "checkpoints) there")
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
+                     "from --lr down to --min-lr")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,10 +271,26 @@ def parse_args(argv=None):
 def log_to_file(path, rank):
     """Everything logged also goes to ``path`` (appended across resumes), and so does the
     traceback of a failure that the console shows as one paragraph (see the end of the file)."""
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = QuietFileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
     logging.getLogger().addHandler(handler)
     FILE_LOG.addHandler(handler)
+
+
+class QuietFileHandler(logging.FileHandler):
+    """A log file that, once it cannot be written (a full disk), says so in one line and is
+    skipped from then on, instead of printing a traceback for every record it drops: the
+    console still has every line, and the failure that follows gets its own paragraph."""
+
+    def handleError(self, record):
+        if self.stream is not None:
+            sys.stderr.write(f"(cannot write {self.baseFilename} any more; logging to the "
+                             f"console only: {sys.exc_info()[1]})\n")
+        self.setLevel(logging.CRITICAL + 1)
+        stream, self.stream = self.stream, None  # what emit() finds: no stream (and level)
+        if stream is not None:
+            with contextlib.suppress(OSError):  # closing flushes, which fails again
+                stream.close()
 
 
 def record_args(path, args, world_size):
@@ -264,45 +306,73 @@ def record_args(path, args, world_size):
     utils.write_atomic(path, json.dumps(starts, indent=2))
 
 
-def open_run(args, exp_dir, world_size):
+def open_run(args, exp_dir, world_size, rank):
     """The run state to continue from (a fresh one for a new run), or None if it is done.
 
     A run resumes iff its directory holds a complete checkpoint (utils.run_state: the one
     state.json names, or the newest one if state.json is lost). Checked first, so a refusal or
-    "already done" costs nothing; every rank reads the same files and decides alike.
+    "already done" costs nothing; every rank reads the same files and decides alike. A run
+    that is done but whose hf/ export is missing or stale (a kill during the export) is
+    exported again here: the export is part of finishing.
     """
     fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
     fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
+    if args.task == "sft":  # the prompt layout follows the data (utils.prompt_format)
+        fingerprint["prompt_format"] = sft_format(args)
     state, why = utils.run_state(exp_dir, args.resume_from)
     if state is None:
         LOGGER.info(f"Starting {exp_dir} from scratch")
         return {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                 "wandb_run_id": None, "config": fingerprint, "domain_tokens": {}}
-    for name, saved in state["config"].items():
-        if fingerprint.get(name) == saved:
-            continue
-        if name == "global_batch":
-            sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
-                     f"{saved} sequences when {exp_dir} was started and is "
-                     f"{fingerprint[name]} now ({args.batch_size} x {args.grad_accum} x "
-                     f"{world_size}). Pick --batch-size and --grad-accum so that it stays "
-                     f"{saved}, or start a new --experiment-name.")
-        sys.exit(f"--{name.replace('_', '-')} was {saved!r} when {exp_dir} was started "
-                 f"and is {fingerprint.get(name)!r} now. Resuming would train a "
-                 "different run: pass the old value, or start a new --experiment-name.")
+    # The checkpoint carries the config it was saved with: one copied in from another run
+    # (or another run's directory) is refused like a changed flag.
+    own = exp_dir / state["checkpoint"] / "state.json"
+    for saved, when in [(state["config"], f"{exp_dir} was started"),
+                        (json.loads(own.read_text())["config"] if own.exists() else {},
+                         f"{state['checkpoint']} was saved")]:
+        check_unchanged(args, fingerprint, saved, when, world_size)
     where = f"{state['checkpoint']}{f' ({why})' if why else ''}"
+    done = None
     if state.get("data_exhausted"):
-        LOGGER.info(f"{exp_dir} is done: its data ran out at step {state['global_step']} "
-                    f"({where}) after --epochs {args.epochs} passes. --epochs is part of the "
-                    "run and cannot change on resume: train on in a new --experiment-name.")
-        return None
-    if state["global_step"] >= args.max_steps:
-        LOGGER.info(f"{exp_dir} is done: step {state['global_step']} of --max-steps "
-                    f"{args.max_steps} ({where}). Raise --max-steps to train further.")
+        done = (f"{exp_dir} is done: its data ran out at step {state['global_step']} ({where}) "
+                f"after --epochs {args.epochs} passes. --epochs is part of the run and cannot "
+                "change on resume: train on in a new --experiment-name.")
+    elif state["global_step"] >= args.max_steps:
+        done = (f"{exp_dir} is done: step {state['global_step']} of --max-steps "
+                f"{args.max_steps} ({where}). Raise --max-steps to train further.")
+    if done:
+        LOGGER.info(done)
+        if rank == 0 and not utils.export_is_current(exp_dir / "hf", state["checkpoint"]):
+            LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of "
+                        f"{state['checkpoint']}: exporting it again")
+            model, tokenizer, config = utils.load_trained(exp_dir / state["checkpoint"])
+            utils.save_hf(exp_dir / "hf", model, tokenizer, config, None, state["checkpoint"])
+            LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
         return None
     LOGGER.info(f"Resuming {exp_dir} from {where}, step {state['global_step']} of "
                 f"{args.max_steps}")
     return state
+
+
+def check_unchanged(args, fingerprint, saved, when, world_size):
+    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
+    A local path that an earlier version recorded as typed (relative) counts as unchanged if
+    it names the same files: the run then keeps its old spelling."""
+    for name, value in saved.items():
+        if name in LOCAL_PATHS and value and utils.local_path(value) == fingerprint.get(name):
+            setattr(args, name, value)
+            fingerprint[name] = value
+        if fingerprint.get(name) == value:
+            continue
+        if name == "global_batch":
+            sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
+                     f"{value} sequences when {when} and is {fingerprint[name]} now "
+                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pick "
+                     f"--batch-size and --grad-accum so that it stays {value}, or start a new "
+                     "--experiment-name.")
+        sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
+                 f"{fingerprint.get(name)!r} now. Resuming would train a different run: pass "
+                 "the old value, or start a new --experiment-name.")
 
 
 class Context(NamedTuple):
@@ -358,15 +428,17 @@ def build_model(args, device):
     """The tokenizer, and the model: --model-name's config with fresh random weights, its saved
     weights (--init-from-pretrained), or the weights of an earlier run or an HF directory
     (--init-from: pretrain -> SFT). Float32 weights (autocast does bf16 on a GPU)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    # (utils.pretrained: from_pretrained, with one clear paragraph for a name that is neither
+    # a local directory nor on the Hub.)
+    tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
     if args.init_from:  # its architecture too: --model-name is not used
         model = utils.load_trained(args.init_from)[0]
         model.config.use_cache = False
     elif args.init_from_pretrained:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name, use_cache=False,
-                                                     dtype=torch.float32)
+        model = utils.pretrained(AutoModelForCausalLM, args.model_name, "--model-name",
+                                 use_cache=False, dtype=torch.float32)
     else:
-        config = AutoConfig.from_pretrained(args.model_name, use_cache=False)
+        config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
         model = AutoModelForCausalLM.from_config(config)
     config = model.config
     if len(tokenizer) > config.vocab_size:
@@ -489,7 +561,7 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
     """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item."""
-    pipe = source(urls, args, rank, world_size, train)
+    pipe = source(urls, args, rank, world_size, train, tokenizer)
     if args.task == "sft":
         # One instruction-answer pair per sample, its prompt masked out of the labels, whole
         # samples packed into sequences (never split; position ids restart at each).
@@ -506,7 +578,19 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
     return pipe
 
 
-def source(spec, args, rank, world_size, train):
+def sft_format(args):
+    """"chat" if --dataset holds conversations (records with 'messages', laid out by the
+    tokenizer's chat template), else "instruction" (instruction/output records): its first
+    record tells."""
+    first = source(args.dataset, args, 0, 1, train=False)
+    try:
+        record = next(first, {})
+    finally:
+        first.close()
+    return "chat" if "messages" in record else "instruction"
+
+
+def source(spec, args, rank, world_size, train, tokenizer=None):
     """The documents of --dataset (or --val-dataset): shards of JSONL/Parquet (paths, globs,
     {a,b} patterns, directories, s3:// gs:// https:// URLs) go to data.Files; a directory made
     by save_to_disk, or a Hugging Face Hub name, to data.HFDataset. NAME:SPLIT picks a split
@@ -530,12 +614,15 @@ def source(spec, args, rank, world_size, train):
             sys.exit(f"--active-shards {slots} is not a multiple of the world size "
                      f"{world_size}: every rank reads whole slots. Pass a multiple of it "
                      "(and keep it on resume: it shapes the data order).")
-        check = data.FormatInstructions.check_record if args.task == "sft" else \
-            data.Tokenize.check_record  # checked here, where shard and line are known
+        check = data.Tokenize.check_record  # checked here, where shard and line are known
+        if args.task == "sft":  # (with the tokenizer: has it the chat template 'messages' need?)
+            check = (data.FormatInstructions(None, tokenizer).check if tokenizer else
+                     data.FormatInstructions.check_record)
         make = functools.partial(data.Files, spec, repeat=train, epochs=args.epochs,
                                  shuffle_shards=train, seed=args.seed, rank=rank,
                                  world_size=world_size, required_fields=required, check=check,
-                                 skip_bad_records=args.skip_bad_records)
+                                 skip_bad_records=args.skip_bad_records,
+                                 format=args.data_format)
         try:
             return make(n_active_shards=slots)
         except data.SplitError as e:
@@ -717,27 +804,23 @@ def export_hf(model, tokenizer, out, state, ctx):
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                        cpu_offload=True))
     if ctx.rank == 0:
-        utils.save_hf(out, unwrap(model), tokenizer, state["config"], weights)
+        utils.save_hf(out, unwrap(model), tokenizer, state["config"], weights,
+                      checkpoint=state["checkpoint"])
         LOGGER.info(f"Exported the model for transformers: {out}")
     ctx.barrier()
 
 
 def damaged_checkpoint(exp_dir, ckpt_dir, path, error):
     """The paragraph for a checkpoint that does not load: which file, and how to go on."""
-    text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            "Nothing was changed or deleted.")
-    step = int(ckpt_dir.name.removeprefix("step-"))
-    older = [d for s, d in sorted(utils.complete_checkpoints(exp_dir).items()) if s < step]
-    if not older:
-        return text + " No older complete checkpoint is left: start a new --experiment-name."
+    text, older = utils.damaged(ckpt_dir, path, error), utils.older_checkpoint(ckpt_dir)
+    if older is None:
+        return text + " Start a new --experiment-name."
     argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
             and sys.argv[i - 1] != "--resume-from"]
     launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
         if "LOCAL_RANK" in os.environ else ["python"]
-    command = shlex.join([*launcher, "train_llm.py", *argv, "--resume-from", older[-1].name])
-    return (text + f" The previous checkpoint {older[-1]} is complete; resume from it (this "
-            f"discards what was logged after it) with:\n  {command}")
+    command = shlex.join([*launcher, "train_llm.py", *argv, "--resume-from", older.name])
+    return text + f" Resume from it (this discards what was logged after it) with:\n  {command}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -779,6 +862,23 @@ def data_left(batches, step, args, ctx, loader):
                  f"{args.epochs}). Use more data, more --epochs, or a smaller "
                  "--batch-size/--seq-length.")
     return left
+
+
+def refuse_untrainable(batches, tokenizer, args, ctx, loader):
+    """End a new run whose first step scores nothing but special tokens: its documents are
+    empty ("text": ""), or their field holds nothing the tokenizer keeps."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    targets = [next_token_targets(b["labels"] if "labels" in b else b["input_ids"])
+               for b in batches]
+    learnable = any((~torch.isin(t[t != -100], special)).any() for t in targets)
+    if ctx.world_size > 1:
+        learnable = not utils.all_ranks(not learnable, ctx.device)  # any rank has some
+    if not learnable:
+        loader.close()
+        sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
+                 f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
+                 f"--dataset {args.dataset} are empty, or their text is not where the kit "
+                 "reads it ('text'; with --task sft 'instruction'/'output' or 'messages').")
 
 
 def train_step(model, batches, ctx, timers, n_domains=0):
@@ -908,17 +1008,17 @@ def speed_metrics(timers, tokens, flops_per_token, peak_flops, ctx):
     }
 
 
-def validation_metrics(model, batches, ctx, domains, tokenizer, args):
+def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format=None):
     val_loss, per_domain = evaluate(model, batches, ctx, len(domains))
     metrics = {"val_loss": val_loss,
                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
     if args.sample_tokens:  # remove these two lines and the sample is gone
-        metrics["sample"] = sample(model, tokenizer, args, ctx)
+        metrics["sample"] = sample(model, tokenizer, args, ctx, prompt_format)
     return metrics
 
 
 @torch.no_grad()
-def sample(model, tokenizer, args, ctx):
+def sample(model, tokenizer, args, ctx, prompt_format):
     """A continuation of --sample-prompt, so a learner sees the model learn to write.
 
     The same seed at every validation: the text changes only because the weights do. Every
@@ -926,14 +1026,13 @@ def sample(model, tokenizer, args, ctx):
     length (EOS does not end them). The sampling has its own RNG, so the training stream is
     not disturbed.
     """
-    text = args.sample_prompt
-    if args.task == "sft":  # the prompt inside the template the model is trained with
-        text = data.instruction_prompt(text)
     model.eval()
     # Eager even under --compile: each new length would otherwise compile the model again.
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):
-        out = utils.generate(unwrap(model), tokenizer, text, max_new_tokens=args.sample_tokens,
-                             seed=args.seed, fixed_length=isinstance(model, FSDPModule))
+        out = utils.generate(unwrap(model), tokenizer, args.sample_prompt,
+                             max_new_tokens=args.sample_tokens, seed=args.seed,
+                             fixed_length=isinstance(model, FSDPModule),
+                             prompt_format=prompt_format)  # the template the model learns
     model.train()
     return out
 
@@ -1035,6 +1134,44 @@ def checked(parse):
     return check
 
 
+def finite(low, above=False):
+    """An argparse type: a finite float >= low (> low with ``above``)."""
+    def number(text):
+        value = float(text)
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if above else '>='} {low:g}, got {text}")
+        return value
+    return number
+
+
+def step_range(text):
+    """--profile-steps FIRST,LAST: two step numbers, 1 <= FIRST <= LAST."""
+    first, comma, last = text.partition(",")
+    try:
+        first, last = int(first), int(last)
+    except ValueError:
+        first = last = None
+    if not comma or first is None or not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIRST,LAST with 1 <= FIRST <= "
+                                         "LAST, e.g. 10,12")
+
+
+def device(text):
+    """--device: a torch device that exists here (a typo or a missing GPU fails at once)."""
+    try:
+        value = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from e
+    if value.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA GPU that torch "
+                                         "can use; leave --device out to train on the CPU")
+    if value.type == "cuda" and (value.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
+                                         "GPU(s)")
+    return text
+
+
 def at_least(low):
     """An argparse type: an int >= low (0 steps or 0 sequences mean nothing)."""
     def integer(text):
@@ -1063,7 +1200,7 @@ def get_parser():
     add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
     add("--max-steps", type=at_least(1), default=600,
         help="optimizer steps to train for (may be raised on resume)")
-    add("--device", default=None,
+    add("--device", default=None, type=device,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     add("--deterministic", action="store_true",
         help="deterministic GPU kernels: bit-identical runs at about half the "
@@ -1085,7 +1222,8 @@ def get_parser():
              "(default: data/sample/*/train-*.jsonl, with --task sft data/sft/train-*.jsonl)")
     add("--val-dataset", default=None,
         help="held-out JSONL shards for the validation loss (same forms as --dataset)")
-    add("--tokenizer", default="assets/tokenizer", help="Hugging Face tokenizer name or path")
+    add("--tokenizer", default=f"{KIT}/assets/tokenizer",
+        help="Hugging Face tokenizer name or path (default: the shipped one)")
     add("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
     add("--shuffle-buffer", type=at_least(1), default=1000,
         help="sequences in the shuffle buffer (1: off)")
@@ -1094,6 +1232,9 @@ def get_parser():
              "multiple of the number of ranks")
     add("--epochs", type=at_least(1), default=None,
         help="stop after this many passes over --dataset (default: endless; see --max-steps)")
+    add("--data-format", choices=["jsonl", "parquet", "text"], default=None,
+        help="how to read shards whose names do not tell (default: by suffix: .jsonl .json "
+             ".ndjson .parquet .txt, optionally .gz .zst .bz2 .xz)")
     add("--tokenizer-threads", type=at_least(1), default=2,
         help="threads tokenizing in the background")
     add("--skip-bad-records", action="store_true",
@@ -1106,8 +1247,9 @@ def get_parser():
 
     model = parser.add_argument_group("model and optimizer")
     add = model.add_argument
-    add("-m", "--model-name", default="assets/tiny-gpt2",
-        help="Hugging Face model name or path; its config shapes a freshly initialized model")
+    add("-m", "--model-name", default=f"{KIT}/assets/tiny-gpt2",
+        help="Hugging Face model name or path; its config shapes a freshly initialized model "
+             "(default: the shipped tiny GPT-2)")
     add("--init-from-pretrained", action="store_true",
         help="load the weights of --model-name instead of initializing them randomly")
     add("--init-from", default=None, metavar="PATH",
@@ -1122,9 +1264,11 @@ def get_parser():
 
     schedule = parser.add_argument_group("learning-rate schedule (get_lr)")
     add = schedule.add_argument
-    add("--lr", type=float, default=4e-3, help="peak learning rate, reached after warmup")
+    add("--lr", type=finite(0, above=True), default=4e-3,
+        help="peak learning rate, reached after warmup")
     add("--warmup-steps", type=at_least(0), default=60, help="steps of linear learning-rate warmup")
-    add("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    add("--min-lr", type=finite(0), default=3e-4,
+        help="learning rate at the end of the cosine decay (at most --lr)")
 
     logs = parser.add_argument_group("logging, validation and checkpoints")
     add = logs.add_argument
@@ -1146,7 +1290,7 @@ def get_parser():
              "--task sft an instruction, in the template)")
     add("--sample-tokens", type=at_least(0), default=32,
         help="tokens of that continuation (0: no sample)")
-    add("--profile-steps", default=None, metavar="FIRST,LAST",
+    add("--profile-steps", default=None, metavar="FIRST,LAST", type=checked(step_range),
         help="write a torch.profiler trace of steps FIRST to LAST into SAVE_DIR/NAME/profile")
 
     distributed = parser.add_argument_group("distributed (under torchrun)")
@@ -1173,9 +1317,25 @@ def get_parser():
 # paragraph; anything else is a bug and keeps its traceback.
 EXPECTED = (data.DataError, OSError)
 
+def out_of_memory(error):
+    """A failed allocation (torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
 if __name__ == "__main__":
     try:
         main()
+    except RuntimeError as e:
+        if not out_of_memory(e) or "--debug" in sys.argv[1:]:
+            FILE_LOG.error("Failed", exc_info=True)
+            raise
+        message = (f"Out of memory: {str(e).strip().splitlines()[-1][:300]}\n(Stopped; the last "
+                   "checkpoint is untouched. Halve --batch-size and double --grad-accum: the "
+                   "global batch, and so the run, stays the same. Or pass "
+                   "--activation-checkpointing, or a smaller --seq-length.)")
+        FILE_LOG.error(message, exc_info=True)
+        sys.exit(message)
     except EXPECTED as e:
         if "--debug" in sys.argv[1:]:
             raise

@@ -7,8 +7,10 @@ import contextlib
 import ctypes
 import fcntl
 import gc
+import glob
 import json
 import os
+import pickle
 import random
 import resource
 import shutil
@@ -19,10 +21,14 @@ import time
 import types
 from pathlib import Path
 
+import braceexpand
 import numpy as np
 import torch
 
+import data
+
 GiB = 2**30
+KIT = Path(__file__).resolve().parent  # where the kit and its shipped assets are
 
 
 class Timer:
@@ -324,6 +330,16 @@ def set_rng_state(state):
 # Checkpoint files (layout: DESIGN.md section 3)
 # ----------------------------------------------------------------------------------------------
 
+def local_path(value):
+    """``value`` as an absolute path if it names local files (a path, a glob or {a,b} pattern
+    that matches something), else unchanged (a Hub name, a URL, None)."""
+    if not value or "://" in value:
+        return value
+    if any(os.path.exists(v) or glob.glob(v) for v in braceexpand.braceexpand(value)):
+        return os.path.abspath(value) + ("/" if value.endswith("/") else "")
+    return value
+
+
 def find_checkpoint(path):
     """The checkpoint directory that ``path`` means: a checkpoint directory itself, or the one
     a run directory resumes from (see run_state)."""
@@ -354,42 +370,159 @@ def load_trained(path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
-        record = path / "train_llm.json"  # what hf/ says about the run that made it
+        record = path / EXPORT_MARKER  # what hf/ says about the run that made it
         config = json.loads(record.read_text()) if record.exists() else None
-        return (AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32),
-                AutoTokenizer.from_pretrained(str(path)), config)
+        what = "run, checkpoint or Hugging Face model"
+        return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
+                pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
     ckpt_dir = find_checkpoint(path)
     config = json.loads((ckpt_dir / "state.json").read_text())["config"]
     source = config.get("init_from") or config["model_name"]  # where its architecture is
-    model_config = (load_trained(source)[0].config if config.get("init_from")
-                    else AutoConfig.from_pretrained(source))
+    model_config = (load_trained(kit_path(source))[0].config if config.get("init_from")
+                    else pretrained(AutoConfig, kit_path(source), "the run's --model-name"))
     model = AutoModelForCausalLM.from_config(model_config)
-    model.load_state_dict(checkpoint_weights(ckpt_dir))
-    return model, AutoTokenizer.from_pretrained(config["tokenizer"]), config
+    try:
+        weights = checkpoint_weights(ckpt_dir)
+        model.load_state_dict(weights)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        name = "model.pt" if (ckpt_dir / "model.pt").exists() else "dcp"
+        advice = " Pass it instead." if older_checkpoint(ckpt_dir) else ""
+        raise OSError(damaged(ckpt_dir, ckpt_dir / name, e) + advice) from e
+    tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
+    return model, tokenizer, config
 
 
-def save_hf(out, model, tokenizer, config, weights=None):
+def damaged(ckpt_dir, path, error):
+    """The paragraph for a checkpoint file that does not load: which one, and whether an older
+    complete checkpoint of its run is left (older_checkpoint), which a user can go on from."""
+    text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Nothing was changed or deleted.")
+    older = older_checkpoint(ckpt_dir)
+    if older is None:
+        return text + " No older complete checkpoint is left."
+    return text + f" The previous checkpoint {older} is complete."
+
+
+def older_checkpoint(ckpt_dir):
+    """The newest complete checkpoint of a run older than ``ckpt_dir``, or None."""
+    step = int(ckpt_dir.name.removeprefix("step-"))
+    older = [d for s, d in sorted(complete_checkpoints(ckpt_dir.parent.parent).items())
+             if s < step]
+    return older[-1] if older else None
+
+
+def kit_path(name):
+    """A path recorded by a run of an earlier version, relative to where it was started: the
+    shipped assets are found next to this file wherever the caller is."""
+    if name and not os.path.isabs(name) and not os.path.exists(name) and (KIT / name).exists():
+        return str(KIT / name)
+    return name
+
+
+def pretrained(cls, name, what, **kwargs):
+    """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
+    directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, or
+    more than one /) is not sent to the Hub: it would only wait for the network to fail."""
+    if not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~"))
+                                     or name.count("/") > 1):
+        raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
+                                f"{os.getcwd()})")
+    try:
+        return cls.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
+                      f"Face Hub name failed ({first})") from e
+
+
+# An export's own file: the run's config and the checkpoint it came from. It marks a directory
+# as one that save_hf wrote, the only kind that save_hf replaces.
+EXPORT_MARKER = "train_llm.json"
+
+
+def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None):
     """``model`` (or its full ``weights``) in the Hugging Face layout, with the tokenizer and
-    the run's config as train_llm.json, written as out.tmp and renamed: a whole export or none."""
+    the run's config as train_llm.json, written as out.tmp and renamed: a whole export or none.
+
+    Only an earlier export (or an empty directory) is ever replaced: anything else at ``out``
+    is refused, so a mistyped --out cannot delete a user's files or runs.
+    """
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
+    for path in (out, tmp):
+        if path.exists() and not is_export(path):
+            raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
+                                  f"{EXPORT_MARKER}, or holds a run): not replacing it. Pass "
+                                  "an --out that does not exist yet.")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "train_llm.json").write_text(json.dumps(config, indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        # The marker first: a half-written tmp that a kill leaves behind is then known as ours.
+        (tmp / EXPORT_MARKER).write_text(
+            json.dumps({**config, "exported_from": checkpoint}, indent=2))
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+    except Exception as e:  # safetensors reports a full disk as its own SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (failure := write_failure(out, e)) is None:
+            raise
+        raise failure from e
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
 
 
+def is_export(path):
+    """Whether save_hf may replace ``path``: an empty directory, or one with its marker that
+    is not (and does not hold) a run directory."""
+    if not path.is_dir():
+        return False
+    names = {p.name for p in path.iterdir()}
+    return not names or (EXPORT_MARKER in names and not {"state.json", "checkpoints"} & names)
+
+
+def export_is_current(out, checkpoint):
+    """Whether ``out`` is a whole export of ``checkpoint`` (no half-written out.tmp beside it)."""
+    marker = Path(out) / EXPORT_MARKER
+    if not marker.exists() or Path(f"{out}.tmp").exists():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("exported_from") == checkpoint
+    except ValueError:
+        return False
+
+
+def prompt_format(config):
+    """How a run's model expects a prompt: "chat" (trained on conversations, through the
+    tokenizer's chat template), "instruction" (data.instruction_prompt) or None (pretrained:
+    plain text). Runs of earlier versions record only their task."""
+    config = config or {}
+    return config.get("prompt_format") or ("instruction" if config.get("task") == "sft" else None)
+
+
+def prompt_text(tokenizer, text, prompt_format=None):
+    """``text`` laid out the way a model trained with ``prompt_format`` saw its prompts."""
+    if prompt_format == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    if prompt_format == "instruction":
+        return data.instruction_prompt(text)
+    return text
+
+
 def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,
-             fixed_length=False):
-    """The continuation of ``text`` (without it). The sampling draws from a seeded RNG of its
+             fixed_length=False, prompt_format=None):
+    """The continuation of ``text`` (without it), laid out first as ``prompt_format`` says
+    (prompt_text). The sampling draws from a seeded RNG of its
     own (fork_rng puts the global ones back after), so a training run that samples now and
     then takes the very same steps as one that does not. ``fixed_length``: never stop early
     at EOS, so that ranks generating together (FSDP) run the same number of forward passes."""
     device = next(model.parameters()).device
-    # Training put BOS before every document (data.EnsureBosEos): so does the prompt here.
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    text = prompt_text(tokenizer, text, prompt_format)
+    # Training put BOS before every document and instruction (data.EnsureBosEos,
+    # FormatInstructions): so does the prompt here. A chat template places its own.
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and \
+        prompt_format != "chat" else []
     ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
@@ -429,15 +562,27 @@ def _write_file(path, write):
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        chain = [e]
-        while chain[-1].__context__ is not None:
-            chain.append(chain[-1].__context__)
-        cause = next((c for c in chain if isinstance(c, OSError) or "write" in str(c)), None)
-        if cause is None:  # not a failed write: a bug, which keeps its traceback
+        if (failure := write_failure(path, e)) is None:
             raise
-        free = shutil.disk_usage(path.parent).free / GiB
-        reason = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(e).__name__
-        raise OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk") from e
+        raise failure from e
+
+
+def write_failure(path, error):
+    """The OSError to raise for a write of ``path`` that failed (a full disk, a file too large,
+    no permission), naming it and the free space; None if ``error`` is no failed write (a bug,
+    which keeps its traceback)."""
+    chain = [error]
+    while chain[-1].__context__ is not None:
+        chain.append(chain[-1].__context__)
+    # torch.save says "write", safetensors "I/O error: ... (os error 28)".
+    cause = next((c for c in chain if isinstance(c, OSError) or "write" in str(c)
+                  or "os error" in str(c)), None)
+    if cause is None:
+        return None
+    existing = next(p for p in [Path(path), *Path(path).parents] if p.exists())
+    free = shutil.disk_usage(existing).free / GiB
+    reason = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(error).__name__
+    return OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk")
 
 
 def write_atomic(path, text):
@@ -530,8 +675,11 @@ def run_state(exp_dir, resume_from=None):
     if root.exists():
         try:
             state = json.loads(root.read_text())
-        except ValueError as e:
-            why = f"{root} is unreadable ({e})"
+            missing = {"global_step", "checkpoint", "config"} - set(state)
+            if missing:
+                raise ValueError(f"it lacks {sorted(missing)}")
+        except (ValueError, TypeError) as e:  # TypeError: JSON that is not an object
+            state, why = None, f"{root} is unreadable ({e})"
     elif _step_dirs(exp_dir):
         why = f"{root} is missing"
     newest = max(complete, default=None)

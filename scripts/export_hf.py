@@ -6,8 +6,8 @@ config and tokenizer), for transformers, vLLM, llama.cpp's converters and the re
         --out demo-400
 
 A run writes {run}/hf/ by itself when it ends; this does the same for any checkpoint, from
-DDP (model.pt) or FSDP (dcp/) runs. Run it from the directory the run was started in: the
-run's --model-name and --tokenizer are read from there.
+DDP (model.pt) or FSDP (dcp/) runs. --out must not exist yet, or be an earlier export (its
+train_llm.json tells): nothing else is ever replaced.
 """
 
 import argparse
@@ -28,10 +28,18 @@ def main():
                         help="a checkpoint directory of that run (default: the newest complete)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
     args = parser.parse_args()
-    model, tokenizer, config = utils.load_trained(args.checkpoint or args.run_dir)
-    utils.save_hf(args.out, model, tokenizer, config)
+    source = args.checkpoint or args.run_dir
+    model, tokenizer, config = utils.load_trained(source)
+    if (source / "config.json").exists():  # already Hugging Face files: re-exported as they are
+        checkpoint = source
+    else:
+        checkpoint = utils.find_checkpoint(source).resolve()
+    utils.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint))
     print(f"Wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as e:  # a missing or damaged run, an --out that is not ours, a full disk
+        sys.exit(f"{type(e).__name__}: {e}")

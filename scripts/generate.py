@@ -4,8 +4,9 @@ needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub
     python scripts/generate.py outputs/demo --prompt "The river"
     python scripts/generate.py outputs/demo-sft --prompt "Name three colors." --max-new-tokens 60
 
-A model fine-tuned with --task sft sees the prompt inside the instruction template it was
-trained with (--no-template: the bare prompt). The same --seed gives the same text.
+A model fine-tuned with --task sft sees the prompt laid out as it was trained: in the
+instruction template, or in the tokenizer's chat template if it was trained on conversations
+('messages'); --no-template gives the bare prompt. The same --seed gives the same text.
 """
 
 import argparse
@@ -16,7 +17,6 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import data  # noqa: E402
 import utils  # noqa: E402
 
 
@@ -37,12 +37,15 @@ def main():
 
     model, tokenizer, config = utils.load_trained(args.model)
     model.to(args.device).eval()
-    text = args.prompt
-    if config and config.get("task") == "sft" and not args.no_template:
-        text = data.instruction_prompt(text)  # as it was trained
-    print(text + utils.generate(model, tokenizer, text, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature, top_k=args.top_k, seed=args.seed))
+    layout = None if args.no_template else utils.prompt_format(config)  # as it was trained
+    print(utils.prompt_text(tokenizer, args.prompt, layout)
+          + utils.generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                           prompt_format=layout))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OSError as e:  # a missing or damaged run, a name that is neither a path nor on the Hub
+        sys.exit(f"{type(e).__name__}: {e}")

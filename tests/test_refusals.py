@@ -1,0 +1,334 @@
+"""The second round of faults (what a new user runs into): nothing the kit did not write is
+deleted, no run goes on silently wrong, and each mistake ends in one paragraph that says what
+to do. Data-level faults (a changed shard, one huge document, formats) are in
+test_data_faults.py.
+"""
+
+import json
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_after_training import script
+from test_faults import copy_run, jsonl, refused, snapshot
+from test_train import ENV, ROOT, global_step, train, train_args
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train_llm
+import utils
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory, tiny_model):
+    """A finished 4-step run with checkpoints at 2 and 4 and its hf/ export, to copy."""
+    save_dir = tmp_path_factory.mktemp("four")
+    result = train(train_args(save_dir, tiny_model, name="k", max_steps=4, ckpt_freq=2,
+                              val_freq=2, keep_checkpoints=0, sample_tokens=0))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "k"
+
+
+def weights(directory):
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- Nothing the kit did not write is deleted ----------------------------------------------------
+
+def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, capsys,
+                                                        monkeypatch):
+    """`export_hf.py RUN --out DIR` used to delete DIR whatever it held: every run under
+    outputs/, or a run itself."""
+    exp = copy_run(four_steps, tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    for out in (tmp_path, exp, exp / "checkpoints"):
+        with pytest.raises(SystemExit) as exit_:
+            script("export_hf", [exp, "--out", out], capsys, monkeypatch)
+        assert "is not an export of this kit" in str(exit_.value.code), out
+    assert snapshot(tmp_path) == before
+    # An earlier export, and the debris of a killed one, are replaced.
+    out = tmp_path / "export"
+    script("export_hf", [exp, "--out", out], capsys, monkeypatch)
+    (tmp_path / "export.tmp").mkdir()
+    (tmp_path / "export.tmp" / utils.EXPORT_MARKER).write_text("{}")
+    script("export_hf", [exp, "--checkpoint", exp / "checkpoints/step-000002", "--out", out],
+           capsys, monkeypatch)
+    assert not (tmp_path / "export.tmp").exists()
+    assert same_weights(weights(out), utils.load_trained(exp / "checkpoints/step-000002")[0]
+                        .state_dict())
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "/tmp/elsewhere", "a/../.."])
+def test_the_experiment_name_must_be_a_directory_inside_the_save_dir(name, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_llm.parse_args(["-e", name, "--save-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "must name a directory inside --save-dir" in capsys.readouterr().err
+    assert train_llm.parse_args(["-e", "group/run", "--save-dir", str(tmp_path)])
+
+
+# -- The export is part of finishing ----------------------------------------------------------
+
+@pytest.mark.parametrize("left", ["missing", "stale and half-written"])
+def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps, tmp_path,
+                                                                     tiny_model, left):
+    """What a kill during the end-of-run export leaves (no hf/, or the previous end's hf/ and
+    an hf.tmp): the rerun that says "is done" writes hf/ of the last checkpoint."""
+    exp = copy_run(four_steps, tmp_path)
+    if left == "missing":
+        shutil.rmtree(exp / "hf")
+    else:  # hf/ of step 2 (a run that first ended there), a killed export beside it
+        shutil.rmtree(exp / "hf")
+        model, tokenizer, config = utils.load_trained(exp / "checkpoints/step-000002")
+        utils.save_hf(exp / "hf", model, tokenizer, config, checkpoint="checkpoints/step-000002")
+        (exp / "hf.tmp").mkdir()
+        (exp / "hf.tmp" / utils.EXPORT_MARKER).write_text("{}")
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert result.returncode == 0, result.stderr
+    assert "is done" in result.stderr and "exporting it again" in result.stderr
+    assert not (exp / "hf.tmp").exists()
+    assert same_weights(weights(exp / "hf"),
+                        utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
+    again = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert again.returncode == 0 and "exporting it again" not in again.stderr
+
+
+def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, tiny_model):
+    exp = copy_run(four_steps, tmp_path)
+    shutil.rmtree(exp / "hf")
+    limit = (exp / "checkpoints/step-000004/model.pt").stat().st_size // 2
+
+    def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(
+        [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
+                                                     max_steps=4)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+    refused(result, f"writing {exp / 'hf'} failed", "GiB free on that disk")
+    assert not (exp / "hf").exists() and not (exp / "hf.tmp").exists()
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert result.returncode == 0 and (exp / "hf/model.safetensors").exists(), result.stderr
+
+
+# -- No silently wrong run ------------------------------------------------------------------------
+
+def test_a_checkpoint_of_another_run_is_refused(four_steps, tmp_path, tiny_model):
+    """A checkpoint directory swapped in from a run with another --lr: its own state.json
+    says so, and the resume is refused like a changed flag."""
+    exp = copy_run(four_steps, tmp_path)
+    own = exp / "checkpoints/step-000004/state.json"
+    state = json.loads(own.read_text())
+    state["config"]["lr"] = 1e-3
+    own.write_text(json.dumps(state))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6))
+    refused(result, "--lr was 0.001 when checkpoints/step-000004 was saved", "0.01 now")
+    assert snapshot(exp) == before
+
+
+def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
+    empty = jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 100)
+    result = train(train_args(tmp_path, tiny_model, name="e", dataset=empty, max_steps=3))
+    refused(result, "Nothing to train on", "only special tokens", empty)
+    assert not (tmp_path / "e/checkpoints").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lr", "nan"], "--lr: must be a finite number > 0"),
+    (["--lr=-1e-3"], "--lr: must be a finite number > 0"),
+    (["--lr", "0"], "--lr: must be a finite number > 0"),
+    (["--min-lr=-0.004"], "--min-lr: must be a finite number >= 0"),
+    (["--min-lr", "inf"], "--min-lr: must be a finite number >= 0"),
+    (["--lr", "1e-3", "--min-lr", "2e-3"], "--min-lr 0.002 is above --lr 0.001"),
+    (["--profile-steps", "abc"], "expected FIRST,LAST"),
+    (["--profile-steps", "5,3"], "expected FIRST,LAST"),
+    (["--profile-steps", "0,3"], "expected FIRST,LAST"),
+    (["--device", "nonsense"], "is not a torch device"),
+])
+def test_flags_are_checked_when_parsed(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_llm.parse_args(["-e", "x", *argv])
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_device_without_a_gpu_is_refused_when_parsed(capsys):
+    with pytest.raises(SystemExit):
+        train_llm.parse_args(["-e", "x", "--device", "cuda"])
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+# -- Chat data: the template follows the data ---------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|endoftext|>[{{ m['role'] }}]\n{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|endoftext|>[assistant]\n"
+                 "{% endif %}")
+
+
+def chat_data(tmp_path):
+    return jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": f"Say the number {i} twice."},
+                      {"role": "assistant", "content": f"{i} {i}."}]} for i in range(200)])
+
+
+def test_chat_data_trains_samples_and_generates_with_the_chat_template(
+        tmp_path, tiny_model, capsys, monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tok")
+    chat = chat_data(tmp_path)
+    result = train(train_args(tmp_path, tiny_model, name="c", task="sft", dataset=chat,
+                              val_dataset=chat, tokenizer=tmp_path / "tok", max_steps=2,
+                              val_freq=2, sample_prompt="Say hi."))
+    assert result.returncode == 0, result.stderr
+    state = json.loads((tmp_path / "c/state.json").read_text())
+    assert state["config"]["prompt_format"] == "chat"
+    assert utils.prompt_text(tokenizer, "Say hi.", "chat") == \
+        "<|endoftext|>[user]\nSay hi.\n<|endoftext|>[assistant]\n"
+    out = script("generate", [tmp_path / "c", "--prompt", "Say hi.", "--max-new-tokens", 3],
+                 capsys, monkeypatch)
+    assert out.startswith("<|endoftext|>[user]\nSay hi.\n<|endoftext|>[assistant]\n")
+    assert "### Instruction" not in out
+
+
+def test_chat_data_with_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tiny_model):
+    chat = chat_data(tmp_path)
+    result = train(train_args(tmp_path, tiny_model, name="c", task="sft", dataset=chat,
+                              val_dataset=chat, max_steps=2))
+    refused(result, "no chat template", chat)
+
+
+# -- Paths, from any directory --------------------------------------------------------------------
+
+def test_the_defaults_resolve_next_to_the_script_from_any_directory(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Run from another directory with the shipped defaults: they are found next to
+    train_llm.py, and the run records absolute paths, so generate.py works from anywhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train_llm.py"), "-e", "d", "--save-dir", "runs",
+         "--max-steps", "1", "--seq-length", "32", "--batch-size", "2", "--val-batches", "1",
+         "--sample-tokens", "0", "--wandb", "disabled"],
+        cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((elsewhere / "runs/d/state.json").read_text())["config"]
+    for name in ("dataset", "val_dataset", "tokenizer", "model_name"):
+        assert os.path.isabs(config[name]) and config[name].startswith(str(ROOT)), name
+    monkeypatch.chdir(tmp_path)
+    assert script("generate", [elsewhere / "runs/d", "--prompt", "The", "--max-new-tokens", 2],
+                  capsys, monkeypatch).startswith("The")
+
+
+def test_a_run_of_an_earlier_version_with_relative_paths_still_resumes(four_steps, tmp_path,
+                                                                       tiny_model):
+    """Earlier versions recorded the shipped defaults as typed (relative): resumed from the
+    same directory they name the same files, so the run goes on under its old spelling."""
+    exp = copy_run(four_steps, tmp_path)
+    for path in [exp / "state.json", *exp.glob("checkpoints/*/*.json")]:
+        text = path.read_text()
+        assert f'"{ROOT}/' in text
+        path.write_text(text.replace(f'"{ROOT}/', '"'))  # as typed, from the kit's directory
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=5))
+    assert result.returncode == 0, result.stderr
+    assert global_step(exp) == 5
+    assert json.loads((exp / "state.json").read_text())["config"]["tokenizer"] == \
+        "assets/tokenizer"
+
+
+def test_paths_that_do_not_exist_are_one_paragraph(four_steps, tmp_path, tiny_model, capsys,
+                                                   monkeypatch):
+    missing = str(tmp_path / "no/such/dir")
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        utils.pretrained(AutoTokenizer, missing, "--tokenizer")
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        utils.load_trained(missing)
+    for name in ("generate", "export_hf"):
+        argv = [missing, "--prompt", "x"] if name == "generate" else [missing, "--out", "o"]
+        with pytest.raises(SystemExit) as exit_:
+            script(name, argv, capsys, monkeypatch)
+        assert "no such file or directory" in str(exit_.value.code), name
+    for flag in ("init_from", "tokenizer", "model_name"):
+        result = train(train_args(tmp_path, tiny_model, name=flag, max_steps=1,
+                                  **{flag: missing}))
+        refused(result, missing, "no such file or directory")
+
+
+def test_a_damaged_newest_checkpoint_points_generate_and_init_from_to_the_older_one(
+        four_steps, tmp_path, tiny_model, capsys, monkeypatch):
+    exp = copy_run(four_steps, tmp_path)
+    model = exp / "checkpoints/step-000004/model.pt"
+    model.write_bytes(model.read_bytes()[:1000])
+    older = exp / "checkpoints/step-000002"
+    with pytest.raises(SystemExit) as exit_:
+        script("generate", [exp, "--prompt", "The"], capsys, monkeypatch)
+    assert f"{model} does not load" in exit_.value.code
+    assert f"The previous checkpoint {older} is complete" in exit_.value.code
+    result = train(train_args(tmp_path, tiny_model, name="sft", max_steps=1, init_from=exp))
+    refused(result, f"{model} does not load", f"The previous checkpoint {older} is complete")
+    assert script("generate", [older, "--prompt", "The", "--max-new-tokens", 2],
+                  capsys, monkeypatch).startswith("The")
+
+
+def test_a_shard_named_otherwise_trains_with_data_format(tmp_path, tiny_model):
+    orig = tmp_path / "one.jsonl.orig"
+    orig.write_text("".join(json.dumps({"text": f"document {i} " + "word " * 30}) + "\n"
+                            for i in range(50)))
+    refused(train(train_args(tmp_path, tiny_model, name="o", dataset=orig, max_steps=1)),
+            "--data-format")
+    result = train(train_args(tmp_path, tiny_model, name="o", dataset=orig, max_steps=1,
+                              data_format="jsonl"))
+    assert result.returncode == 0, result.stderr
+
+
+# -- Tracebacks that were one paragraph away -----------------------------------------------------
+
+@pytest.mark.parametrize("content", ["{}", "[]", "null"])
+def test_a_state_json_without_a_state_resumes_from_the_newest_checkpoint(
+        four_steps, tmp_path, tiny_model, content):
+    exp = copy_run(four_steps, tmp_path)
+    (exp / "state.json").write_text(content)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=5))
+    assert result.returncode == 0, result.stderr
+    assert "is unreadable" in result.stderr and global_step(exp) == 5
+
+
+def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
+    """The first forward pass runs out of memory (as a too large --batch-size does on a GPU):
+    one paragraph with the way on, no traceback."""
+    code = ("import runpy, sys, torch\n"
+            "def oom(*a, **k):\n"
+            "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
+            "torch.nn.functional.cross_entropy = oom\n"
+            "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
+            "runpy.run_path('train_llm.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code,
+                             *train_args(tmp_path, tiny_model, max_steps=2)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    refused(result, "Out of memory", "Tried to allocate 9.00 GiB", "--grad-accum")
+
+
+def test_a_log_file_that_cannot_be_written_says_so_once(capsys):
+    """/dev/full fails every write as a full disk does: one line, then silence (it used to be
+    a "--- Logging error ---" traceback per record)."""
+    handler = train_llm.QuietFileHandler("/dev/full")
+    log = logging.getLogger("test_refusals.full")
+    log.addHandler(handler)
+    try:
+        for i in range(4):
+            log.error("record %d", i)
+    finally:
+        log.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert err.count("cannot write /dev/full") == 1
