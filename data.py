@@ -41,6 +41,7 @@ import queue
 import random
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import braceexpand
@@ -229,15 +230,20 @@ class Files(Stage):
     A slot's state says where its next record starts: the byte offset in a JSON Lines shard
     (resuming is one seek, a range request over the network), the row group and row of a
     Parquet shard (earlier row groups are not read), the index in a JSON array. A compressed
-    stream cannot seek; it is re-read from its start. A dropped connection or a 5xx answer is
-    retried ``retries`` times with exponential backoff, reopening the shard where the next
-    record starts, so faults never change the stream; a missing shard or a denied access fails
-    at once. ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
+    stream cannot seek; it is re-read from its start. A JSON Lines slot also keeps the length
+    and crc32 of the line it read last, checked when it reopens (with a local shard's size): a
+    shard replaced since, even by one of the same size, is refused as changed, not resumed in
+    the middle of a line. A dropped connection or a 5xx answer is retried ``retries`` times
+    with exponential backoff, reopening the shard where the next record starts, so faults
+    never change the stream; a missing shard or a denied access fails at once.
+    ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
     reported with shard and line like malformed JSON (a Parquet shard without such a column
     is refused when opened); so does ``check(record)`` raising ValueError, which lets the
     stages downstream (Tokenize, FormatInstructions) have their needs checked where the
-    shard and line are known. A ``.txt`` shard is read like the Hugging Face ``text`` loader
-    does: a record ``{"text": line}`` per non-blank line.
+    shard and line are known. A DataError from ``check`` is no bad record but data the
+    pipeline cannot use (chat records, a tokenizer without a chat template): it stops the
+    stream, naming shard and line, even with ``skip_bad_records``. A ``.txt`` shard is read
+    like the Hugging Face ``text`` loader does: a record ``{"text": line}`` per non-blank line.
 
     The class keeps the books (splits, slots, epochs, state); reading a split is done by the
     generators below it (_read_lines, _read_row_groups, _read_array), retries by _Retry.
@@ -262,6 +268,9 @@ class Files(Stage):
         self.transport_params = transport_params
         self._retry = _Retry(retries, retry_delay)
         self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
+        # Splits that own no line (row, record): later epochs pass them without opening them.
+        # Derived from the files, never saved.
+        self._empty = set()
         self.plan = self.plan_splits()
         self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
             (url, *cut) for url, (units, n) in zip(self.urls, self.plan)
@@ -395,12 +404,16 @@ class Files(Stage):
         """Slot i has read its split: it moves on to its next split, keeping its turn, or
         closes if it has none left. Returns the split if it held no records, else None."""
         done, empty = self.slots[i], None
-        self._files[i].close()
-        self._files[i] = None
+        if self._files[i] is not None:  # (None: a split known to be empty was not opened)
+            self._files[i].close()
+            self._files[i] = None
+        split = (done["url"], done["start"], done["end"])
         if done["records"] == 0:
-            empty = (done["url"], done["start"], done["end"])
-            if self.plan is None or done["end"] is None:  # a whole shard
-                log.warning("shard %s has no records", done["url"])
+            empty = split
+            if (self.plan is None or done["end"] is None) and split not in self._empty:
+                log.warning("shard %s has no records", done["url"])  # a whole shard
+        if done["line"] == 0:
+            self._empty.add(split)
         following = self._slot(done["pos"] + self.n_slots)
         if following is None:  # this slot has no splits left
             self.slots.pop(i)
@@ -424,6 +437,10 @@ class Files(Stage):
     def _read(self, i):
         """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
+        if slot["line"] == 0 and (slot["url"], slot["start"], slot["end"]) in self._empty:
+            # One long line cut into 8 splits leaves 7 that own no line start; opening each,
+            # every epoch, read the rest of that line to find one.
+            return None
         kind = self._kind(slot["url"])
         while (item := self._fetch(i)) is not None:
             data, where = item
@@ -432,6 +449,8 @@ class Files(Stage):
                 continue  # a blank line is not a record
             try:
                 record = _parse(data, kind, self.required_fields, self.check)
+            except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
+                raise DataError(f"shard {slot['url']}, {self._position(slot)}: {e}") from e
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
                 msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
                        f"{type(e).__name__}: {e}")
@@ -584,18 +603,22 @@ class Files(Stage):
 
 
 def _check_formats(urls, format):
-    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet)."""
+    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet),
+    with a DataError: the data is wrong, and the message names the library argument and the
+    train_llm.py flag that say the format."""
     if format not in (None, "jsonl", "parquet", "text"):
         raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
                          "suffix)")
     for url in urls:
         if (kind := format or shard_format(url)) is None:
-            raise ValueError(f"shard {url}: cannot tell its format from its name; Files "
-                             f"reads {sorted(_FORMATS)} (JSON Lines optionally compressed "
-                             f"{_COMPRESSED}): pass format='jsonl', 'parquet' or 'text'")
+            raise DataError(f"shard {url}: cannot tell its format from its name; Files reads "
+                            f"{sorted(_FORMATS)} (JSON Lines optionally compressed "
+                            f"{_COMPRESSED}). Name the format: format='jsonl', 'parquet' or "
+                            "'text' (train_llm.py: --data-format jsonl|parquet|text). CSV is "
+                            "not read: convert it to JSON Lines (one JSON object per line)")
         if kind == "parquet" and url.endswith(_COMPRESSED):
-            raise ValueError(f"shard {url}: a Parquet file must be able to seek, so it "
-                             "cannot be compressed as a whole (it compresses inside)")
+            raise DataError(f"shard {url}: a Parquet file must be able to seek, so it "
+                            "cannot be compressed as a whole (it compresses inside)")
 
 
 def _parse(data, kind, required_fields, check):
@@ -641,10 +664,11 @@ def _read_lines(slot, open_shard):
             raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
                             f"bytes then, {size} now. Resuming would read from the wrong "
                             "places: restore the file, or start a new run on the new data")
-        if offset and url.endswith(_COMPRESSED):
+        if "last" in slot:  # (states of older versions have no "last": not checked)
+            _check_last_line(f, url, offset, *slot["last"])
+        elif offset and url.endswith(_COMPRESSED):
             # Decompression cannot jump: re-read this shard (and only this one) to offset.
-            if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
-                raise DataError(f"shard {url} is shorter than the saved offset {offset}")
+            _read_up_to(f, url, offset)
         elif offset and offset == slot["start"]:
             # The line that crosses into this split belongs to the one before: skip to the
             # first line start at or after `start` (from start - 1, in case it is one).
@@ -654,12 +678,40 @@ def _read_lines(slot, open_shard):
             f.seek(offset)
         if end is None:
             end = math.inf
-        if offset < end and (text := f.readline()):  # the first line records the size
+        # Each line records its length and crc32 ("last"), checked when the slot reopens here;
+        # the first line also records the size.
+        if offset < end and (text := f.readline()):
             offset, line = offset + len(text), line + 1
-            yield text, {"offset": offset, "line": line, "size": size}
+            yield text, {"offset": offset, "line": line, "size": size,
+                         "last": [len(text), zlib.crc32(text)]}
             while offset < end and (text := f.readline()):
                 offset, line = offset + len(text), line + 1
-                yield text, {"offset": offset, "line": line}
+                yield text, {"offset": offset, "line": line, "last": [len(text), zlib.crc32(text)]}
+
+
+def _check_last_line(f, url, offset, length, crc):
+    """Positions ``f`` at ``offset``, having read the ``length`` bytes before it: the line the
+    run read last, which must be what it was (its crc32). A same-size file with other lines (a
+    shuffled copy, a moved line break) would otherwise resume inside a line, and the resume
+    would blame a valid record, or read other documents without a word."""
+    if url.endswith(_COMPRESSED):
+        _read_up_to(f, url, offset - length)
+    else:
+        f.seek(offset - length)  # the same stream as reading on: no extra request
+    got = 0
+    for chunk in _chunks(f, length):  # (a decompressing read may return less than asked)
+        got = zlib.crc32(chunk, got)
+    if got != crc:
+        # (Equal bytes end in the newline the line had, or at the end of a same-size file.)
+        raise DataError(f"shard {url} changed since this run read it: the line that ended at "
+                        f"byte {offset} is not the one it read there. Resuming would read from "
+                        "the wrong places: restore the file, or start a new run on the new data")
+
+
+def _read_up_to(f, url, offset):
+    """Reads a shard that cannot seek (compressed) up to ``offset``."""
+    if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
+        raise DataError(f"shard {url} is shorter than the saved offset {offset}")
 
 
 def _read_row_groups(slot, open_shard, required_fields):
@@ -966,16 +1018,22 @@ class Sequence(Stage):
 class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
 
-    The consumer pulls ``batch_size`` documents, snapshots the upstream state *before* them and
-    submits the batch to the pool; up to ``2 * num_threads`` batches are in flight. The state
-    of a sample is (snapshot before its batch, how many of that batch were handed out): on
-    resume the batch is read and tokenized again and those samples are skipped. That redoes at
-    most one batch of work and keeps state_dict() cheap, whatever the upstream is.
+    The consumer pulls ``batch_size`` documents, or fewer once they hold ``BATCH_CHARS``
+    characters (the document that reaches it ends the batch), snapshots the upstream state
+    *before* them and submits the batch to the pool; up to ``2 * num_threads`` batches are in
+    flight, so the work ahead is bounded in characters, not only in documents. The state of a
+    sample is (snapshot before its batch, how many samples since it were handed out): on resume
+    the batch is read and tokenized again and those samples are skipped. That redoes at most
+    one batch of work and keeps state_dict() cheap, whatever the upstream is.
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
     the GIL: that is what lets threads use several cores. The backend's own thread pool is
     switched off (TOKENIZERS_PARALLELISM=false) so that it and ours do not fight over cores.
     """
+
+    # Not in the config: where a batch ends does not change the stream (the skip of a state
+    # carries on into the next batch), so states saved with other batches still resume exactly.
+    BATCH_CHARS = 1 << 20
 
     def __init__(self, src, tokenizer, *, column="text", num_threads=2, batch_size=64,
                  add_special_tokens=True, max_chars=None):
@@ -1066,10 +1124,14 @@ class Tokenize(Stage):
 
     def _submit(self):
         state = self.src.state_dict()
-        samples = []
+        samples, chars = [], 0
         try:
-            while len(samples) < self.batch_size:
+            # Without the character budget, 64 copies of a 10 MB document (an endless stream
+            # of one document) were read per batch, 2 * num_threads batches ahead.
+            while len(samples) < self.batch_size and chars < self.BATCH_CHARS:
                 samples.append(next(self.src))
+                text = samples[-1].get(self.column)
+                chars += len(text) if isinstance(text, str) else 0
         except StopIteration:
             self._exhausted = True
         if samples:
@@ -1085,7 +1147,9 @@ class Tokenize(Stage):
                 raise StopIteration
             state, future = self._inflight.popleft()
             self._batch = future.result()  # raises what the worker raised
-            self._batch_state, self._pos, self._skip = state, self._skip, 0
+            # A resumed skip may pass whole batches: one saved with bigger batches than these.
+            self._batch_state, self._pos = state, min(self._skip, len(self._batch))
+            self._skip -= self._pos
         sample = self._batch[self._pos]
         self._pos += 1
         return sample
@@ -1309,13 +1373,21 @@ class FormatInstructions(Stage):
             raise ValueError("an instruction record needs string fields 'instruction' and "
                              f"'output' (or a list 'messages'); it has {sorted(record)}")
 
+    def check(self, record):
+        """check_record, and a chat record needs a tokenizer with a chat template: for
+        Files(check=...). Without one the data is unusable, not bad, so that is a DataError,
+        which skip_bad_records does not skip."""
+        self.check_record(record)
+        if "messages" in record and not getattr(self.tokenizer, "chat_template", None):
+            name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+            raise DataError(f"the data is chat-format ('messages') and the tokenizer {name} has "
+                            "no chat template; pass a --tokenizer that has one (or convert the "
+                            "records to instruction/output)")
+
     def __next__(self):
         record = next(self.src)
-        self.check_record(record)
+        self.check(record)
         if "messages" in record:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("FormatInstructions: a record has 'messages' but the tokenizer "
-                                 "has no chat template")
             messages = record["messages"]
             prompt = list(self.tokenizer.apply_chat_template(
                 messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -29,15 +29,12 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
-import datasets
-import datasets.distributed
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
-import wandb
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -342,16 +339,24 @@ def open_run(args, exp_dir, world_size, rank):
                 f"{args.max_steps} ({where}). Raise --max-steps to train further.")
     if done:
         LOGGER.info(done)
-        if rank == 0 and not utils.export_is_current(exp_dir / "hf", state["checkpoint"]):
-            LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of "
-                        f"{state['checkpoint']}: exporting it again")
-            model, tokenizer, config = utils.load_trained(exp_dir / state["checkpoint"])
-            utils.save_hf(exp_dir / "hf", model, tokenizer, config, None, state["checkpoint"])
-            LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
+        if rank == 0:
+            export_again_if_stale(exp_dir, state["checkpoint"])
         return None
     LOGGER.info(f"Resuming {exp_dir} from {where}, step {state['global_step']} of "
                 f"{args.max_steps}")
     return state
+
+
+def export_again_if_stale(exp_dir, checkpoint):
+    """A finished run whose hf/ is missing, half-written or of an older checkpoint (a kill or a
+    full disk during the export at its end) is exported from its last checkpoint."""
+    if utils.export_is_current(exp_dir / "hf", checkpoint):
+        return
+    LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
+                "again")
+    model, tokenizer, config = utils.load_trained(exp_dir / checkpoint)
+    utils.save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint)
+    LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
 
 
 def check_unchanged(args, fingerprint, saved, when, world_size):
@@ -629,6 +634,8 @@ def source(spec, args, rank, world_size, train, tokenizer=None):
             if train:
                 sys.exit(f"--dataset {spec}: {e}")
             return make(n_active_shards=e.n_splits)
+    import datasets  # here, not at the top: only these sources need the library
+    import datasets.distributed
     try:
         if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
             dataset = datasets.load_from_disk(name)
@@ -1072,18 +1079,22 @@ class MetricsLog:
 
     def __init__(self, exp_dir, args, state, rank):
         self.file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
-        # The run id is kept in state.json, so a resumed run continues the same wandb curve.
-        # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
-        state["wandb_run_id"] = wandb.init(
-            project=args.wandb_project, name=args.experiment_name, id=state["wandb_run_id"],
-            resume="allow", dir=exp_dir, config=vars(args),
-            mode=args.wandb if rank == 0 else "disabled").id
+        self.wandb = None
+        if rank == 0 and args.wandb != "disabled":
+            import wandb  # here, not at the top: a second of start-up that most tests skip
+            self.wandb = wandb
+            # The run id is kept in state.json, so a resumed run continues the same curve.
+            # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
+            state["wandb_run_id"] = wandb.init(
+                project=args.wandb_project, name=args.experiment_name, id=state["wandb_run_id"],
+                resume="allow", dir=exp_dir, config=vars(args), mode=args.wandb).id
 
     def write(self, metrics):
         if self.file:
             self.file.write(json.dumps(metrics) + "\n")
             self.file.flush()
-            wandb.log(metrics, step=metrics["step"])
+        if self.wandb:
+            self.wandb.log(metrics, step=metrics["step"])
         if "tokens_per_s" in metrics or "val_loss" in metrics:
             LOGGER.info(utils.format_metrics(metrics))
 
@@ -1091,13 +1102,15 @@ class MetricsLog:
         """The last step's line again, now with more in it (a late validation)."""
         if self.file:
             utils.rewrite_last_line(self.file, json.dumps(metrics))
-            wandb.log(metrics, step=metrics["step"])
+        if self.wandb:
+            self.wandb.log(metrics, step=metrics["step"])
         LOGGER.info(utils.format_metrics(metrics))
 
     def close(self):
         if self.file:
             self.file.close()
-        wandb.finish()
+        if self.wandb:
+            self.wandb.finish()
 
 
 # ----------------------------------------------------------------------------------------------
