@@ -137,8 +137,9 @@ def main():
 
     log = MetricsLog(exp_dir, args, state, rank)
     stop = stop_on_signals()
+    writer = checkpoint_writer(args, ctx)  # in the background, or here (--checkpoint-writer)
     save = functools.partial(save_checkpoint, exp_dir, state, model, optimizer, lr_scheduler,
-                             train_loader, args, ctx)
+                             train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]))
     timers = {name: utils.Timer(ctx.device) for name in ("data", "forward", "backward", "update")}
@@ -156,6 +157,7 @@ def main():
     with logging_redirect_tqdm(), profiler as prof:
         while state["global_step"] < args.max_steps:
             step = state["global_step"] + 1
+            writer.check()  # a background save that failed stops the run here
 
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"]:  # next() by hand, so the wait for data is measured
@@ -186,6 +188,7 @@ def main():
                 grad_norm = stats["grad_norm"]
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                     train_loader.close()
+                    writer.wait()  # the last good checkpoint may still be being written
                     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping "
                              f"without a checkpoint (the weights are about to be garbage); the "
                              f"last good one is {state['checkpoint']}. Lower --lr or raise "
@@ -223,6 +226,7 @@ def main():
 
     progress.close()
     train_loader.close()
+    writer.wait()  # the last checkpoint is complete before it is exported and the run ends
     export_hf(model, tokenizer, exp_dir / "hf", state, ctx)
     log.close()
     if ctx.distributed:
@@ -711,17 +715,41 @@ def validation_batches(args, tokenizer, domains, rank):
 # Checkpoints (the layout: DESIGN.md section 3)
 # ----------------------------------------------------------------------------------------------
 
-def save_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args, ctx):
+def checkpoint_writer(args, ctx):
+    """What writes the checkpoints: a background thread (utils.BackgroundWriter), or the
+    training thread itself (sync). By default (auto) the background on a GPU, whose training
+    thread mostly waits for the GPU, and sync on a CPU, whose training threads use every core:
+    there a writer can only take its CPU time from them, and measured it cost more than
+    writing in place (README, "Checkpoints off the training path").
+
+    Under torchrun the writer's barriers run on a gloo group of their own: collectives from
+    another thread must not interleave with the training loop's on the default group (every
+    rank must issue those in the same order).
+    """
+    group = None
+    if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+    sync = args.checkpoint_writer == "sync" or (args.checkpoint_writer == "auto"
+                                                and ctx.device.type != "cuda")
+    return utils.BackgroundWriter(sync=sync, group=group, log=LOGGER.info,
+                                  pin_memory=ctx.device.type == "cuda")
+
+
+def save_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args, ctx, writer):
     """Save checkpoints/step-NNNNNN and point state.json at it (utils.save_checkpoint: the
     write order that survives a kill at any instant).
 
     Rank 0 writes the model, optimizer and schedule; every rank its RNG and loader state. With
     FSDP every rank writes its shards of model and optimizer (torch.distributed.checkpoint).
+    The writer copies all of it to CPU memory and writes it in the background while training
+    goes on; the checkpoint is complete (and state.json names it) once that write has ended.
     If this step's checkpoint exists already (the data ran out right after a save), only
     state.json is rewritten.
     """
     step = state["global_step"]
-    if state["checkpoint"] == f"checkpoints/step-{step:06d}":
+    name = f"checkpoints/step-{step:06d}"
+    if state["checkpoint"] == name:
+        writer.wait()  # (that save may still be writing its own state.json)
         if ctx.rank == 0:
             utils.write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
         return
@@ -729,22 +757,24 @@ def save_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args
     state["epoch"] = utils.source_epoch(loader_state)
     files = {RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
              LOADER_FILE.format(ctx.rank): loader_state}
-    if args.fsdp:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        files["dcp"] = lambda path: dcp.save({"model": model_state, "optimizer": optim_state},
-                                             checkpoint_id=path)
+    if args.fsdp:  # this rank's shards, written by dcp.save below
+        files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
     elif ctx.rank == 0:
         files |= {"model.pt": unwrap(model).state_dict(), "optimizer.pt": optimizer.state_dict()}
     if ctx.rank == 0:
         files["lr_scheduler.pt"] = lr_scheduler.state_dict()
-    if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
-        utils.set_collective_timeout(datetime.timedelta(minutes=30))
-    state["checkpoint"] = utils.save_checkpoint(exp_dir, step, files, state,
-                                                keep=args.keep_checkpoints, rank=ctx.rank,
-                                                barrier=ctx.barrier)
-    if ctx.distributed:
-        utils.set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
-    LOGGER.info(f"Saved {state['checkpoint']}")
+    saved = json.loads(json.dumps(state))  # as of this step: the loop goes on changing `state`
+
+    def write(files):  # (in the writer's thread)
+        if "dcp" in files:
+            shards = files.pop("dcp")
+            files["dcp"] = lambda path: dcp.save(shards, checkpoint_id=path,
+                                                 process_group=writer.group)
+        utils.save_checkpoint(exp_dir, step, files, saved, keep=args.keep_checkpoints,
+                              rank=ctx.rank, barrier=writer.barrier)
+
+    writer.submit(name, write, files)
+    state["checkpoint"] = name  # complete once the writer is done (writer.wait)
 
 
 def load_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args, ctx):
@@ -1294,6 +1324,10 @@ def get_parser():
     add("--ckpt-freq", type=at_least(1), default=200, help="save a checkpoint every N steps")
     add("--keep-checkpoints", type=at_least(0), default=2,
         help="how many newest checkpoints to keep (0: all)")
+    add("--checkpoint-writer", choices=["auto", "background", "sync"], default="auto",
+        help="background: copy each checkpoint to CPU memory and write it while training goes "
+             "on; sync: write it before training goes on; auto: background on a GPU, sync on "
+             "a CPU (whose cores training keeps busy)")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline",
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
     add("--wandb-project", default=os.environ.get("WANDB_PROJECT", "train-llm"),

@@ -1,31 +1,37 @@
 """train_llm.py that dies, like a SIGKILL (os._exit: no cleanup, no flush), just before the
 K-th file-system step of its checkpoint save for step CRASH_STEP. The steps counted: every
-fsync (each file written is fsynced), rename, replace and rmtree that the save makes.
+fsync (each file written is fsynced), rename, replace and rmtree that the save makes, in the
+thread that writes it (the background writer, or the training thread with
+--checkpoint-writer sync).
 
     CRASH_STEP=4 CRASH_AT=3 python tests/crashing_train.py --experiment-name ... (train_llm flags)
 
 CRASH_AT=0 dies nowhere and writes the steps of that save, by name, to CRASH_COUNT_FILE.
+HOLD_STEP=4: the save of step 4 never gets to write (it waits until the process is killed),
+so a test can kill the run while that write is in flight.
 """
 
 import os
 import runpy
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import utils  # noqa: E402
 
-crash_step, crash_at = int(os.environ["CRASH_STEP"]), int(os.environ["CRASH_AT"])
-counted = {"inside": False, "n": 0, "names": []}
+crash_step, crash_at = int(os.environ.get("CRASH_STEP", -1)), int(os.environ.get("CRASH_AT", 0))
+hold_step = int(os.environ.get("HOLD_STEP", -1))
+counted = {"inside": None, "n": 0, "names": []}  # inside: the thread that is saving
 
 
 def counting(module, name):
     real = getattr(module, name)
 
     def step(*args, **kwargs):
-        if counted["inside"]:
+        if counted["inside"] == threading.get_ident():
             counted["n"] += 1
             counted["names"].append(name)
             if counted["n"] == crash_at:
@@ -41,13 +47,15 @@ real_save = utils.save_checkpoint
 
 
 def save_checkpoint(exp_dir, step, *args, **kwargs):
-    counted["inside"] = step == crash_step
+    if step == hold_step:
+        threading.Event().wait()  # until the test kills the process
+    counted["inside"] = threading.get_ident() if step == crash_step else None
     try:
         return real_save(exp_dir, step, *args, **kwargs)
     finally:
         if counted["inside"] and crash_at == 0:
             Path(os.environ["CRASH_COUNT_FILE"]).write_text(",".join(counted["names"]))
-        counted["inside"] = False
+        counted["inside"] = None
 
 
 utils.save_checkpoint = save_checkpoint

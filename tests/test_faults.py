@@ -195,9 +195,11 @@ def test_a_full_disk_while_saving_names_the_file_and_keeps_the_last_checkpoint(
 
     result = subprocess.run(
         [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
-                                                     max_steps=15, ckpt_freq=5)],
+                                                     max_steps=15, ckpt_freq=5,
+                                                     checkpoint_writer="background")],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
     refused(result, "model.pt failed", "GiB free on that disk", "last checkpoint is untouched")
+    assert "step-000015 in the background" in result.stderr  # the write that failed
     assert json.loads((exp / "state.json").read_text())["checkpoint"] == "checkpoints/step-000010"
     assert {k: v for k, v in snapshot(exp / "checkpoints").items() if ".tmp" not in k} == before
 
@@ -303,7 +305,8 @@ def test_a_crash_at_every_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, 
         assert json.loads((ckpt / "state.json").read_text())["checkpoint"] == state["checkpoint"]
 
 
-CRASH_FLAGS = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100)
+CRASH_FLAGS = dict(max_steps=6, ckpt_freq=2, keep_checkpoints=1, val_freq=100, log_freq=100,
+                   checkpoint_writer="background")
 
 
 @pytest.fixture(scope="module")
@@ -319,12 +322,13 @@ def uncrashed(tmp_path_factory, tiny_model):
     return final, (tmp / "steps").read_text().split(",")
 
 
-@pytest.mark.parametrize("at", ["rename", "replace"])
+@pytest.mark.parametrize("at", ["fsync", "rename", "replace"])
 def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_model, uncrashed,
                                                                at):
-    """The same end to end, as a SIGKILL would leave it (os._exit): just before the rename of
-    step 4's directory (the rerun resumes from step 2) and just before state.json is replaced
-    (it resumes from step 4); the run then ends with the weights of one that never crashed."""
+    """The same end to end, as a SIGKILL would leave it (os._exit), in the background writer
+    while training goes on: at the first fsync and just before the rename of step 4's
+    directory (the rerun resumes from step 2) and just before state.json is replaced (it
+    resumes from step 4); the run then ends with the weights of one that never crashed."""
     final, steps = uncrashed
     env = {**ENV, "CRASH_STEP": "4", "CRASH_AT": str(steps.index(at) + 1)}
     crashed = subprocess.run([sys.executable, "tests/crashing_train.py",
@@ -333,7 +337,7 @@ def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_mo
     assert crashed.returncode == 137
     result = train(train_args(tmp_path, tiny_model, **CRASH_FLAGS))
     assert result.returncode == 0, result.stderr
-    resumed = "step-000002" if at == "rename" else "step-000004"
+    resumed = "step-000004" if at == "replace" else "step-000002"
     assert f"Resuming {tmp_path / 'run'} from checkpoints/{resumed}" in result.stderr
     again = torch.load(tmp_path / "run/checkpoints/step-000006/model.pt", weights_only=True)
     assert all(torch.equal(final[k], again[k]) for k in final)

@@ -176,7 +176,9 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(
     step, in validation, in a save (with --ckpt-freq 1 most of the time is spent saving).
     Every restart must say it resumes from the last checkpoint before its kill."""
     rng = random.Random(ckpt_freq)
-    args = train_args(tmp_path, tiny_model, ckpt_freq=ckpt_freq)
+    # With a save every step, in the background: the kills land in and around writes in flight.
+    writer = "background" if ckpt_freq == 1 else "auto"
+    args = train_args(tmp_path, tiny_model, ckpt_freq=ckpt_freq, checkpoint_writer=writer)
     exp_dir = tmp_path / "run"
     expected = []
     for at in sorted(rng.sample(range(3, MAX_STEPS - 5), 3)):

@@ -1,0 +1,100 @@
+"""What a checkpoint costs the training loop: runs without saves, with synchronous saves
+(--checkpoint-writer sync) and with background saves (--checkpoint-writer background), side by
+side, and prints each save's cost in seconds and in step times.
+
+    python scripts/bench_checkpoint.py   # GPT-2 124M, seq 64, batch 1, 13 steps, a save every 3
+
+Each run is train_llm.py in a fresh process, logging every step. The loop time is the time
+from step 1's log line to step 13's; it holds the saves of steps 3, 6, 9 and 12. The cost of a
+save is (loop time with saves - loop time without) / 4; a step time is the loop time without
+saves / 12. The runs alternate (none, sync, background) --repeats times, and the medians are
+printed, so that a machine that drifts does not favour one kind.
+"""
+
+import argparse
+import datetime
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] .*?step (\d+) \| loss", re.M)
+
+
+def loop_seconds(log, first, last):
+    """Seconds between the log lines of steps ``first`` and ``last``."""
+    times = {int(step): datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
+             for stamp, step in STAMP.findall(log)}
+    return (times[last] - times[first]).total_seconds()
+
+
+def run(args, kind, save_dir):
+    """One run of ``kind``: none (no saves), sync, background, or before (the kit at --before,
+    an earlier checkout, saving the way it does)."""
+    flags = ["-e", kind, "--save-dir", str(save_dir), "--model-name", args.model_name,
+             "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
+             "--max-steps", str(args.steps), "--log-freq", "1", "--val-freq", "1000000",
+             "--sample-tokens", "0", "--wandb", "disabled", "--keep-checkpoints", "1",
+             "--ckpt-freq", str(1_000_000 if kind == "none" else args.every)]
+    if kind in ("sync", "background"):
+        flags += ["--checkpoint-writer", kind]
+    if args.device:
+        flags += ["--device", args.device]
+    kit = Path(args.before) if kind == "before" else ROOT
+    result = subprocess.run([sys.executable, str(kit / "train_llm.py"), *flags],
+                            capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(result.stderr[-3000:])
+    log = result.stderr
+    waited = [float(x) for x in re.findall(r"training waited ([\d.]+) s", log)]
+    waited += [float(x) for x in re.findall(r"in ([\d.]+) s \(synchronously", log)]
+    written = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
+    return loop_seconds(log, 1, args.steps), waited, written
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-name", default=str(ROOT / "assets/gpt2-124m"))
+    parser.add_argument("--seq-length", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=13)
+    parser.add_argument("--every", type=int, default=3, help="--ckpt-freq of the saving runs")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--before", default=None, metavar="DIR",
+                        help="also time the kit checked out in DIR (e.g. a git worktree of an "
+                             "earlier commit), saving every --every steps its own way")
+    args = parser.parse_args()
+    saves = len(range(args.every, args.steps, args.every))  # inside the timed steps
+    loops = {"none": [], "sync": [], "background": []} | ({"before": []} if args.before else {})
+    waited, written = {"sync": [], "background": []}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for kind in loops:
+                seconds, held, wrote = run(args, kind, Path(tmp) / str(repeat))
+                loops[kind].append(seconds)
+                waited.get(kind, []).extend(held)
+                written.extend(wrote)
+                print(f"run {repeat + 1}/{args.repeats} {kind:>10}: loop {seconds:.2f} s",
+                      flush=True)
+    base = statistics.median(loops["none"])
+    step = base / (args.steps - 1)
+    print(f"\n{args.model_name}, seq {args.seq_length}, batch {args.batch_size}: "
+          f"{args.steps - 1} timed steps, {saves} saves; step time {step:.3f} s")
+    print("| saves | loop (s) | cost per save (s) | in step times | training waited per save (s) |")
+    print("|---|---|---|---|---|")
+    for kind in [k for k in loops if k != "none"]:
+        loop = statistics.median(loops[kind])
+        cost = (loop - base) / saves
+        held = f"{statistics.median(waited[kind]):.2f}" if waited.get(kind) else ""
+        print(f"| {kind} | {loop:.2f} | {cost:.2f} | {cost / step:.2f} | {held} |")
+    print(f"| none | {base:.2f} | | | |")
+    if written:
+        print(f"\nbackground write: {statistics.median(written):.2f} s per checkpoint (median)")
+
+
+if __name__ == "__main__":
+    main()

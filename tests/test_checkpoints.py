@@ -1,0 +1,121 @@
+"""Checkpoints off the training path: staged to CPU memory and written in the background,
+with every guarantee of a synchronous save. (test_faults.py crashes the background writer
+before each kind of file-system step and fills its disk; test_train.py and
+test_distributed.py SIGKILL runs that write in the background.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import ENV, ROOT, last_step, metrics, train, train_args, wait_for
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import utils
+
+FLAGS = dict(checkpoint_writer="background", max_steps=12, ckpt_freq=4, grad_accum=2,
+             batch_size=2, odm="exp3", odm_warmup_steps=2, val_freq=100, log_freq=1,
+             sample_tokens=0)
+
+
+def test_a_kill_while_a_background_write_is_in_flight_resumes_bit_identically(tmp_path,
+                                                                              tiny_model):
+    """The save of step 8 is held in its writer (tests/crashing_train.py, HOLD_STEP) while
+    training goes on to step 10, which shows that the loop does not wait for a write; a
+    SIGKILL then leaves step 4's checkpoint as the newest complete one, and the rerun resumes
+    from it. It ends equal, to the bit, to a straight run that saved synchronously
+    (--grad-accum 2 and ODM, whose state is part of the loader's)."""
+    straight = train(train_args(tmp_path / "straight", tiny_model,
+                                **{**FLAGS, "checkpoint_writer": "sync"}))
+    assert straight.returncode == 0, straight.stderr
+    assert "synchronously" in straight.stderr and "in the background" not in straight.stderr
+
+    args = train_args(tmp_path, tiny_model, **FLAGS)
+    exp = tmp_path / "run"
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "tests/crashing_train.py", *args], cwd=ROOT,
+                                env={**ENV, "HOLD_STEP": "8"}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    wait_for(lambda: last_step(exp) >= 10, proc)
+    proc.kill()
+    proc.wait()
+    assert "Saving checkpoints/step-000008 in the background" in log_path.read_text()
+    assert json.loads((exp / "state.json").read_text())["checkpoint"] == "checkpoints/step-000004"
+    assert not (exp / "checkpoints/step-000008").exists()
+    result = train(args)
+    assert result.returncode == 0, result.stderr
+    assert "from checkpoints/step-000004" in result.stderr
+    final = "checkpoints/step-000012/model.pt"
+    a, b = (torch.load(d / final, weights_only=True) for d in (tmp_path / "straight/run", exp))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in metrics(exp)] == [r["loss"] for r in
+                                                 metrics(tmp_path / "straight/run")]
+
+
+@pytest.fixture(scope="module")
+def model_and_optimizer(tiny_model):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_staging_reuses_its_memory_and_copies_exactly(model_and_optimizer):
+    model, optimizer = model_and_optimizer
+    staging = utils.Staging()
+    pointers, sizes = [], []
+    for _ in range(10):
+        staged = staging.stage({"model.pt": model.state_dict(),
+                                "optimizer.pt": optimizer.state_dict(),
+                                "loader.json": {"slots": [{"offset": 5}]}})
+        pointers.append(sorted(b.data_ptr() for b in staging.buffers.values()))
+        sizes.append(staging.nbytes())
+    assert all(p == pointers[0] for p in pointers) and len(set(sizes)) == 1  # no growth
+    live = model.state_dict()
+    assert all(torch.equal(staged["model.pt"][k], live[k]) for k in live)
+    assert staged["optimizer.pt"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    # Tied weights stay one tensor (written once), and training may change the originals.
+    tied = [k for k in live if live[k] is live["transformer.wte.weight"]]
+    assert len({id(staged["model.pt"][k]) for k in tied}) == 1
+    before = staged["model.pt"]["transformer.wte.weight"].clone()
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)
+    assert torch.equal(staged["model.pt"]["transformer.wte.weight"], before)
+
+
+def test_a_failed_background_write_is_raised_in_the_training_thread():
+    def write(files):
+        raise OSError("writing x failed (No space left on device); 0.00 GiB free on that disk")
+
+    writer = utils.BackgroundWriter(log=lambda message: None)
+    writer.submit("checkpoints/step-000001", write, {"a.json": {"x": 1}})
+    writer.thread.join()  # the write has ended (failed); the next check raises its error
+    with pytest.raises(OSError, match="No space left"):
+        writer.check()
+    writer.check()  # raised once: the run has stopped on it
+    with pytest.raises(OSError):
+        writer.submit("checkpoints/step-000002", write, {})
+        writer.wait()
+
+
+def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_optimizer):
+    model, optimizer = model_and_optimizer
+    for sync in (True, False):
+        writer = utils.BackgroundWriter(sync=sync, log=lambda message: None)
+        exp = tmp_path / f"sync-{sync}"
+        files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
+                 "loader-rank0.json": {"offset": 3}}
+        writer.submit("step", lambda staged, exp=exp: utils.save_checkpoint(
+            exp, 1, staged, {"global_step": 1, "config": {}, "checkpoint": None}, keep=1),
+            files)
+        writer.wait()
+    a, b = (tmp_path / f"sync-{s}/checkpoints/step-000001" for s in (True, False))
+    x, y = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    x, y = (torch.load(d / "optimizer.pt", weights_only=True)["state"] for d in (a, b))
+    assert all(torch.equal(x[i][k], y[i][k]) for i in x for k in x[i])
+    assert json.loads((a / "loader-rank0.json").read_text()) == {"offset": 3}
+    assert (a / "loader-rank0.json").read_bytes() == (b / "loader-rank0.json").read_bytes()
