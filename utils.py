@@ -596,14 +596,14 @@ def save_tensors(obj, f):
     """torch.save, without the CRC-32 of every record in its zip archive: torch.load never
     checks it, and computing it took 0.6 s of CPU per 1.3 GB, CPU that a background save
     takes from training."""
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
-    if config is None:  # an older torch: no such switch
+    if not hasattr(torch.serialization, "set_crc32_options"):  # an older torch: no switch
         return torch.save(obj, f)
-    crc, config.save.compute_crc32 = config.save.compute_crc32, False
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
     try:
         torch.save(obj, f)
     finally:
-        config.save.compute_crc32 = crc
+        torch.serialization.set_crc32_options(crc)
 
 
 def write_atomic(path, text):
@@ -687,15 +687,34 @@ class Staging:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def _copy(self, obj, path, seen):
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen:
-                seen[id(obj)] = self._copy_tensor(obj, path)
+        """``obj`` with its tensors copied. Whatever appears twice (a tied weight, the betas
+        tuple that every optimizer group shares) is copied once and stays shared, so that
+        torch.save writes the very same bytes as for the live objects."""
+        if id(obj) in seen:
             return seen[id(obj)]
-        if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k), seen) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, (*path, i), seen) for i, v in enumerate(obj))
-        return copy.deepcopy(obj)  # numbers, strings, None: cheap
+        if isinstance(obj, torch.Tensor):
+            # state_dict() gives tied weights as two tensors over one storage: two tensors
+            # over one staged storage (torch.save writes it once).
+            local = obj.to_local() if hasattr(obj, "to_local") else obj
+            view = (local.untyped_storage().data_ptr(), local.storage_offset(),
+                    tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
+            out = seen[view].detach() if view in seen else self._copy_tensor(obj, path)
+            seen[view] = out
+        elif isinstance(obj, dict):  # (a state_dict is an OrderedDict with _metadata)
+            out = type(obj)((k, self._copy(v, (*path, k), seen)) for k, v in obj.items())
+            if hasattr(obj, "_metadata"):
+                out._metadata = obj._metadata
+        elif isinstance(obj, list):
+            out = [self._copy(v, (*path, i), seen) for i, v in enumerate(obj)]
+        elif isinstance(obj, tuple):
+            items = [self._copy(v, (*path, i), seen) for i, v in enumerate(obj)]
+            # Immutable: the tuple itself, unless it holds something that was copied.
+            out = obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+        else:
+            return obj if isinstance(obj, (int, float, str, bytes, bool, type(None))) \
+                else copy.deepcopy(obj)
+        seen[id(obj)] = out
+        return out
 
     def _copy_tensor(self, tensor, path):
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard

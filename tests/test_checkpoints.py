@@ -113,6 +113,8 @@ def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_opt
             files)
         writer.wait()
     a, b = (tmp_path / f"sync-{s}/checkpoints/step-000001" for s in (True, False))
+    for name in ("model.pt", "optimizer.pt", "loader-rank0.json"):  # the very same bytes
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
     x, y = (torch.load(d / "model.pt", weights_only=True) for d in (a, b))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     x, y = (torch.load(d / "optimizer.pt", weights_only=True)["state"] for d in (a, b))

@@ -424,9 +424,11 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
     equal DDP's weights up to float rounding (same data, same math)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run(args_for(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
+    # dcp.save off the loop. Killed after step 7: the save of step 6 waited for step 3's
+    # write, so a complete checkpoint exists (a kill after step 5 may land before one does).
     kill_until_done(args_for(tmp_path, tiny_model, corpus, name="killed", fsdp=True, ckpt_freq=3,
-                             checkpoint_writer="background"),  # dcp.save off the loop
-                    killed, tmp_path / "log.txt", at=(5,))
+                             checkpoint_writer="background"),
+                    killed, tmp_path / "log.txt", at=(7,))
     weights = []
     for exp_dir in (straight, killed):
         ckpt = exp_dir / f"checkpoints/step-{STEPS:06d}"
