@@ -254,8 +254,8 @@ def parse_args(argv=None):
 
 def check_args(parser, args):
     """What no single flag's type can check: flags against each other, the run directory."""
-    save_dir = Path(args.save_dir).resolve()
-    exp_dir = (save_dir / args.experiment_name).resolve()
+    save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
+    exp_dir = Path(os.path.normpath(save_dir / args.experiment_name))
     if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
         parser.error(f"--experiment-name {args.experiment_name!r} must name a directory inside "
                      f"--save-dir {args.save_dir}: the run writes (and deletes its own old "
@@ -318,20 +318,21 @@ def open_run(args, exp_dir, world_size, rank):
     """
     fingerprint = {name: getattr(args, name) for name in FINGERPRINT}
     fingerprint["global_batch"] = args.batch_size * args.grad_accum * world_size
-    if args.task == "sft":  # the prompt layout follows the data (utils.prompt_format)
-        fingerprint["prompt_format"] = sft_format(args)
     state, why = utils.run_state(exp_dir, args.resume_from)
     if state is None:
         LOGGER.info(f"Starting {exp_dir} from scratch")
+        if args.task == "sft":  # the prompt layout follows the data (utils.prompt_format)
+            fingerprint["prompt_format"] = sft_format(args)
         return {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                 "wandb_run_id": None, "config": fingerprint, "domain_tokens": {}}
     # The checkpoint carries the config it was saved with: one copied in from another run
     # (or another run's directory) is refused like a changed flag.
+    check_unchanged(args, fingerprint, state["config"], f"{exp_dir} was started", world_size)
     own = exp_dir / state["checkpoint"] / "state.json"
-    for saved, when in [(state["config"], f"{exp_dir} was started"),
-                        (json.loads(own.read_text())["config"] if own.exists() else {},
-                         f"{state['checkpoint']} was saved")]:
-        check_unchanged(args, fingerprint, saved, when, world_size)
+    if own.exists():
+        own_config = json.loads(own.read_text())["config"]
+        check_unchanged(args, fingerprint, own_config, f"{state['checkpoint']} was saved",
+                        world_size)
     where = f"{state['checkpoint']}{f' ({why})' if why else ''}"
     done = None
     if state.get("data_exhausted"):
@@ -359,7 +360,7 @@ def export_again_if_stale(exp_dir, checkpoint):
     LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
                 "again")
     model, tokenizer, config = utils.load_trained(exp_dir / checkpoint)
-    utils.save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint)
+    utils.save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint, owned=True)
     LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
 
 
@@ -368,6 +369,8 @@ def check_unchanged(args, fingerprint, saved, when, world_size):
     A local path that an earlier version recorded as typed (relative) counts as unchanged if
     it names the same files: the run then keeps its old spelling."""
     for name, value in saved.items():
+        if name == "prompt_format":  # found in the data, which --dataset already pins
+            continue
         if name in LOCAL_PATHS and value and utils.local_path(value) == fingerprint.get(name):
             setattr(args, name, value)
             fingerprint[name] = value
@@ -591,7 +594,7 @@ def sft_format(args):
     """"chat" if --dataset holds conversations (records with 'messages', laid out by the
     tokenizer's chat template), else "instruction" (instruction/output records): its first
     record tells."""
-    first = source(args.dataset, args, 0, 1, train=False)
+    first = source(args.dataset, args, 0, 1, train=True)  # (its split: train)
     try:
         record = next(first, {})
     finally:
@@ -811,7 +814,8 @@ def load_checkpoint(exp_dir, state, model, optimizer, lr_scheduler, loader, args
                  f"arguments. {e} (In train_llm.py flags: max_chars is --max-doc-chars, 0 for "
                  "None; n_active_shards is --active-shards; urls and split_plan come from "
                  "--dataset and the files it names.)")
-    except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as e:
+    except (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError,
+            dcp.CheckpointException) as e:  # (dcp's is a BaseException)
         sys.exit(damaged_checkpoint(exp_dir, ckpt_dir, ckpt_dir / name, e))
 
 
@@ -842,7 +846,7 @@ def export_hf(model, tokenizer, out, state, ctx):
                                                                        cpu_offload=True))
     if ctx.rank == 0:
         utils.save_hf(out, unwrap(model), tokenizer, state["config"], weights,
-                      checkpoint=state["checkpoint"])
+                      checkpoint=state["checkpoint"], owned=True)
         LOGGER.info(f"Exported the model for transformers: {out}")
     ctx.barrier()
 
@@ -915,7 +919,8 @@ def refuse_untrainable(batches, tokenizer, args, ctx, loader):
         sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
                  f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
                  f"--dataset {args.dataset} are empty, or their text is not where the kit "
-                 "reads it ('text'; with --task sft 'instruction'/'output' or 'messages').")
+                 "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
+                 "or (--task sft) --seq-length cuts every answer off.")
 
 
 def train_step(model, batches, ctx, timers, n_domains=0):

@@ -26,6 +26,7 @@ from pathlib import Path
 import braceexpand
 import numpy as np
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 import data
 
@@ -386,7 +387,8 @@ def load_trained(path):
     try:
         weights = checkpoint_weights(ckpt_dir)
         model.load_state_dict(weights)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError,
+            CheckpointException) as e:  # (dcp's, a BaseException)
         name = "model.pt" if (ckpt_dir / "model.pt").exists() else "dcp"
         advice = " Pass it instead." if older_checkpoint(ckpt_dir) else ""
         raise OSError(damaged(ckpt_dir, ckpt_dir / name, e) + advice) from e
@@ -443,17 +445,18 @@ def pretrained(cls, name, what, **kwargs):
 EXPORT_MARKER = "train_llm.json"
 
 
-def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None):
+def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):
     """``model`` (or its full ``weights``) in the Hugging Face layout, with the tokenizer and
     the run's config as train_llm.json, written as out.tmp and renamed: a whole export or none.
 
     Only an earlier export (or an empty directory) is ever replaced: anything else at ``out``
-    is refused, so a mistyped --out cannot delete a user's files or runs.
+    is refused, so a mistyped --out cannot delete a user's files or runs. ``owned``: ``out`` is
+    a run's own hf/, which the run directory's layout reserves for it (DESIGN.md section 3).
     """
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
+    out = Path(os.path.abspath(out))
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(f".{out.name}.replaced")
     for path in (out, tmp):
-        if path.exists() and not is_export(path):
+        if path.exists() and not owned and not is_export(path):
             raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
                                   f"{EXPORT_MARKER}, or holds a run): not replacing it. Pass "
                                   "an --out that does not exist yet.")
@@ -470,8 +473,14 @@ def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None):
         if (failure := write_failure(out, e)) is None:
             raise
         raise failure from e
-    shutil.rmtree(out, ignore_errors=True)
+    # The old export is renamed aside, not deleted in place: a kill while deleting it would
+    # leave a directory without its marker, which no later export could replace. (The hidden
+    # name is save_hf's own: one left by a kill is deleted the next time.)
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.rename(out, old)
     os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_export(path):

@@ -74,6 +74,9 @@ def test_the_experiment_name_must_be_a_directory_inside_the_save_dir(name, tmp_p
     assert exit_.value.code == 2
     assert "must name a directory inside --save-dir" in capsys.readouterr().err
     assert train_llm.parse_args(["-e", "group/run", "--save-dir", str(tmp_path)])
+    (tmp_path / "elsewhere").mkdir()  # a run directory that links to another disk is fine
+    (tmp_path / "big").symlink_to(tmp_path / "elsewhere")
+    assert train_llm.parse_args(["-e", "big", "--save-dir", str(tmp_path)])
 
 
 # -- The export is part of finishing ----------------------------------------------------------
@@ -88,9 +91,10 @@ def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps,
     shutil.rmtree(exp / "hf")
     model, tokenizer, config = utils.load_trained(exp / "checkpoints/step-000002")
     utils.save_hf(exp / "hf", model, tokenizer, config, checkpoint="checkpoints/step-000002")
-    (exp / "hf.tmp").mkdir()
-    (exp / "hf.tmp" / utils.EXPORT_MARKER).write_text("{}")
-    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000002")  # (the .tmp)
+    (exp / "hf" / utils.EXPORT_MARKER).unlink()  # as a kill while deleting it could leave it
+    (exp / "hf.tmp").mkdir()  # debris of an earlier version, which wrote its marker last
+    (exp / "hf.tmp" / "config.json").write_text("{}")
+    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000002")
     result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
     assert result.returncode == 0, result.stderr
     assert "is done" in result.stderr and "exporting it again" in result.stderr
@@ -201,6 +205,16 @@ def test_chat_data_trains_samples_and_generates_with_the_chat_template(
     assert "### Instruction" not in out
 
 
+def test_the_prompt_layout_is_read_from_the_training_split(tmp_path):
+    """A save_to_disk dataset with only a train split (the validation split is not asked for)."""
+    import datasets
+    records = [{"instruction": "a", "output": "b"}] * 4
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(
+        tmp_path / "d")
+    args = train_llm.parse_args(["-e", "x", "--task", "sft", "--dataset", str(tmp_path / "d")])
+    assert train_llm.sft_format(args) == "instruction"
+
+
 def test_chat_data_with_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tiny_model):
     chat = chat_data(tmp_path)
     result = train(train_args(tmp_path, tiny_model, name="c", task="sft", dataset=chat,
@@ -281,6 +295,23 @@ def test_a_damaged_newest_checkpoint_points_generate_and_init_from_to_the_older_
     refused(result, f"{model} does not load", f"The previous checkpoint {older} is complete")
     assert script("generate", [older, "--prompt", "The", "--max-new-tokens", 2],
                   capsys, monkeypatch).startswith("The")
+
+
+def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
+    """--fsdp's dcp/ shards that do not load (torch.distributed.checkpoint raises a
+    BaseException, which a plain `except Exception` misses)."""
+    run = tmp_path / "run"
+    config = {"model_name": str(ROOT / "assets/tiny-gpt2"), "init_from": None,
+              "tokenizer": str(ROOT / "assets/tokenizer")}
+    for step in (1, 2):
+        ckpt = run / f"checkpoints/step-00000{step}"
+        (ckpt / "dcp").mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps(
+            {"global_step": step, "checkpoint": f"checkpoints/step-00000{step}",
+             "config": config}))
+    (run / "checkpoints/step-000002/dcp/.metadata").write_bytes(b"not a checkpoint")
+    with pytest.raises(OSError, match="The previous checkpoint .*step-000001 is complete"):
+        utils.load_trained(run / "checkpoints/step-000002")
 
 
 def test_a_shard_named_otherwise_trains_with_data_format(tmp_path, tiny_model):
