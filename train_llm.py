@@ -1205,7 +1205,7 @@ def step_range(text):
                                          "LAST, e.g. 10,12")
 
 
-def device(text):
+def torch_device(text):
     """--device: a torch device that exists here (a typo or a missing GPU fails at once)."""
     try:
         value = torch.device(text)
@@ -1248,7 +1248,7 @@ def get_parser():
     add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
     add("--max-steps", type=at_least(1), default=600,
         help="optimizer steps to train for (may be raised on resume)")
-    add("--device", default=None, type=device,
+    add("--device", default=None, type=torch_device,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
     add("--deterministic", action="store_true",
         help="deterministic GPU kernels: bit-identical runs at about half the "
@@ -1369,30 +1369,29 @@ def get_parser():
 # paragraph; anything else is a bug and keeps its traceback.
 EXPECTED = (data.DataError, OSError)
 
-def out_of_memory(error):
-    """A failed allocation (torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+def expected_failure(error):
+    """The paragraph that ends a run on a failure the user can mend, or None for a bug (which
+    keeps its traceback): bad data, a missing or unreadable file, a full disk, no memory."""
+    if isinstance(error, EXPECTED):
+        return (f"{type(error).__name__}: {error}\n(Stopped; the last checkpoint is untouched. "
+                "--debug, or rank 0's train.log, shows where this came from.)")
+    # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
+        return (f"Out of memory: {str(error).strip().splitlines()[-1][:300]}\n(Stopped; the "
+                "last checkpoint is untouched. Halve --batch-size and double --grad-accum: the "
+                "global batch, and so the run, stays the same. Or pass "
+                "--activation-checkpointing, or a smaller --seq-length.)")
+    return None
 
 
 if __name__ == "__main__":
     try:
         main()
-    except RuntimeError as e:
-        if not out_of_memory(e) or "--debug" in sys.argv[1:]:
+    except (*EXPECTED, RuntimeError) as e:
+        message = expected_failure(e)
+        if message is None or "--debug" in sys.argv[1:]:
             FILE_LOG.error("Failed", exc_info=True)
             raise
-        message = (f"Out of memory: {str(e).strip().splitlines()[-1][:300]}\n(Stopped; the last "
-                   "checkpoint is untouched. Halve --batch-size and double --grad-accum: the "
-                   "global batch, and so the run, stays the same. Or pass "
-                   "--activation-checkpointing, or a smaller --seq-length.)")
-        FILE_LOG.error(message, exc_info=True)
-        sys.exit(message)
-    except EXPECTED as e:
-        if "--debug" in sys.argv[1:]:
-            raise
-        message = (f"{type(e).__name__}: {e}\n(Stopped; the last checkpoint is untouched. "
-                   "--debug, or rank 0's train.log, shows where this came from.)")
         FILE_LOG.error(message, exc_info=True)
         sys.exit(message)
     except SystemExit as e:  # a refusal (its paragraph) or a plain exit

@@ -1,6 +1,8 @@
-"""Helpers for train_llm.py: timing, garbage collection, memory, MFU, profiling, checkpoint files.
+"""Helpers for train_llm.py: timing, garbage collection, memory, MFU, profiling, checkpoint files
+(written in place or in the background), exports, and generating text from a trained model.
 
-Nothing here decides how training goes; it measures it, or moves bytes to and from disk.
+Nothing here decides how training goes; it measures it, moves bytes to and from disk, or
+uses what a run made.
 """
 
 import contextlib
