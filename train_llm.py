@@ -162,7 +162,7 @@ def main():
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"]:  # next() by hand, so the wait for data is measured
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
-            if not data_left(batches, step, args, ctx, train_loader):
+            if not data_left(batches, step, args, ctx, train_loader, tokenizer):
                 LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
                 if metrics and "val_loss" not in metrics:  # validate the last step anyway
                     log.rewrite_last(metrics | validate())
@@ -170,8 +170,6 @@ def main():
                 save()
                 break
 
-            if step == 1:  # empty documents would train on BOS and EOS alone, for ever
-                refuse_untrainable(batches, tokenizer, args, ctx, train_loader)
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             stats = train_step(model, batches, ctx, timers, len(domains))
             # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
@@ -885,11 +883,12 @@ def stop_on_signals():
     return stop
 
 
-def data_left(batches, step, args, ctx, loader):
+def data_left(batches, step, args, ctx, loader, tokenizer):
     """Whether every rank got its micro-batches for this step (only --epochs ends the data).
 
     With finite data ranks run out at different steps (their shards differ); all stop
-    together, or the others would wait forever in the next all-reduce.
+    together, or the others would wait forever in the next all-reduce. A new run's first step
+    must also hold something to train on (refuse_untrainable).
     """
     left = None not in batches
     if args.epochs and ctx.world_size > 1:
@@ -902,6 +901,8 @@ def data_left(batches, step, args, ctx, loader):
                  f"{ctx.world_size} sequences of {args.seq_length} tokens) per pass (--epochs "
                  f"{args.epochs}). Use more data, more --epochs, or a smaller "
                  "--batch-size/--seq-length.")
+    if left and step == 1:  # empty documents would train on BOS and EOS alone, for ever
+        refuse_untrainable(batches, tokenizer, args, ctx, loader)
     return left
 
 
