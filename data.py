@@ -1315,11 +1315,8 @@ class Shuffle(Stage):
         buffer = [sample for i in ctx.mine for sample in olds[i]["buffer"]]
         ctx.report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in ctx.mine
                                              if i != ctx.rank)
-        rng = _rng_from_json(random.Random(), olds[ctx.rank % len(olds)]["rng"])
-        if ctx.rank >= len(olds):  # a new rank: its own sequence of draws, still seeded
-            rng.seed(f"{rng.getrandbits(64)}-{ctx.rank}")
         return self._state(upstream=self._reshard_upstream(olds, ctx), buffer=buffer,
-                           exhausted=False, rng=_rng_to_json(rng))
+                           exhausted=False, rng=ctx.rng(olds))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1439,7 +1436,9 @@ class Pack(Stage):
         self.label_pad_id, self.discard_long = label_pad_id, discard_long
         self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
                        "discard_long": discard_long}
-        self.pending = None  # [ids, labels] of the sample that did not fit the last sequence
+        # [ids, labels] of the samples read but not yet packed: the one that did not fit the
+        # last sequence (more only after a reshard, which moves other ranks' here)
+        self.waiting = []
         self.discarded = 0
 
     def _next_sample(self):
@@ -1456,30 +1455,43 @@ class Pack(Stage):
     def __next__(self):
         ids, labels, positions = [], [], []
         while True:
-            if self.pending is None:
+            if not self.waiting:
                 try:
-                    self.pending = self._next_sample()
+                    self.waiting.append(self._next_sample())
                 except StopIteration:
                     if not ids:
                         raise
                     break
-            sample_ids, sample_labels = self.pending
+            sample_ids, sample_labels = self.waiting[0]
             if len(ids) + len(sample_ids) > self.length:
                 break
             ids += sample_ids
             labels += ([self.label_pad_id] + sample_labels[1:]) if sample_labels else []
             positions += range(len(sample_ids))
-            self.pending = None
+            self.waiting.pop(0)
         out = _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
         out["position_ids"] = torch.tensor(positions + [0] * (self.length - len(ids)))
         return out
 
     def state_dict(self):
-        return self._state(pending=self.pending, discarded=self.discarded)
+        return self._state(waiting=list(self.waiting), discarded=self.discarded)
 
     def load_state_dict(self, state):
         self._load(state)
-        self.pending, self.discarded = state["pending"], state["discarded"]
+        self.waiting, self.discarded = self._waiting(state), state["discarded"]
+
+    def reshard_state(self, olds, ctx):
+        """The waiting samples of old rank i move to new rank i mod (new world size)."""
+        ctx.report["sequences_moved"] += sum(len(self._waiting(olds[i])) for i in ctx.mine
+                                             if i != ctx.rank)
+        return self._state(upstream=self._reshard_upstream(olds, ctx),
+                           waiting=[s for i in ctx.mine for s in self._waiting(olds[i])],
+                           discarded=sum(olds[i]["discarded"] for i in ctx.mine))
+
+    @staticmethod
+    def _waiting(state):
+        old = state.get("pending")  # (states of earlier versions: one sample, or None)
+        return list(state["waiting"]) if "waiting" in state else [old] if old else []
 
 
 class Pad(Stage):
@@ -1722,6 +1734,16 @@ class Mix(Stage):
         if self.mixer:
             self.mixer.load_state_dict(state["mixer"])
 
+    def reshard_state(self, olds, ctx):
+        """Each domain's pipeline reshards on its own; the mixer's state goes on as it was:
+        it is the same on every rank, since its updates use losses averaged over all ranks."""
+        mixers = {json.dumps(old["mixer"]) for old in olds}
+        if len(mixers) > 1:
+            raise ValueError("reshard: the ranks saved different mixer states")
+        upstream = [ctx.merge(pipeline, [old["upstream"][d] for old in olds])
+                    for d, pipeline in enumerate(self.pipelines)]
+        return self._state(rng=ctx.rng(olds), upstream=upstream, mixer=olds[0]["mixer"])
+
     def close(self):
         for pipeline in self.pipelines:
             pipeline.close()
@@ -1742,16 +1764,18 @@ def reshard(pipeline, states):
     new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
     slots and buffers. reshard finds the pipeline's Files (which knows the new rank and world
     size) and asks the top stage for its merged state; each stage merges its own fields and
-    asks its upstream in turn (Stage.reshard_state, Resharding.merge). Stages whose state
-    cannot be split this way (Take, Stride, Chunk, Pack, Sequence) keep the default
-    reshard_state, which refuses them. Returns counts for the log.
+    asks its upstream in turn (Stage.reshard_state, Resharding.merge); a Mix reshards each
+    domain's pipeline on its own. Stages whose state cannot be split this way (Take, Stride,
+    Chunk, Sequence) keep the default reshard_state, which refuses them. Returns counts for
+    the log.
     """
     files = pipeline
-    while not isinstance(files, Files):
-        if files.src is None:
+    while not isinstance(files, Files):  # (through a Mix: its first domain's)
+        below = files.pipelines[0] if isinstance(files, Mix) else files.src
+        if below is None:
             raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
                              f"number of ranks; this one reads {type(files).__name__}")
-        files = files.src
+        files = below
     ctx = Resharding(files.config["rank"], files.config["world_size"], len(states))
     pipeline.load_state_dict(ctx.merge(pipeline, states))
     return ctx.report
@@ -1772,6 +1796,14 @@ class Resharding:
         for old in olds:  # the arguments that shape the stream, but where each rank reads
             stage._check_config(old.get("config", {}), ignore=("rank", "world_size"))
         return stage.reshard_state(olds, self)
+
+    def rng(self, olds):
+        """A stage's RNG state on this rank: old rank r's goes on; a rank that did not exist
+        before draws a sequence of its own, still seeded (from old rank r mod W's)."""
+        rng = _rng_from_json(random.Random(), olds[self.rank % len(olds)]["rng"])
+        if self.rank >= len(olds):
+            rng.seed(f"{rng.getrandbits(64)}-{self.rank}")
+        return _rng_to_json(rng)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -261,6 +261,17 @@ def check_args(parser, args):
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
                      "from --lr down to --min-lr")
+    if args.global_batch_size:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        per_micro_step = world_size * args.batch_size
+        accum, left = divmod(args.global_batch_size, per_micro_step)
+        if left or args.grad_accum not in (1, accum):
+            parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                         f"world size x --batch-size = {world_size} x {args.batch_size} = "
+                         f"{per_micro_step}: --grad-accum follows from it (leave it out). Pick "
+                         f"a --batch-size that divides {args.global_batch_size} / {world_size} "
+                         "on every world size the run may see.")
+        args.grad_accum = accum
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,8 +388,10 @@ def check_unchanged(args, fingerprint, saved, when, world_size):
         if name == "global_batch":
             sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
                      f"{value} sequences when {when} and is {fingerprint[name]} now "
-                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pick "
-                     f"--batch-size and --grad-accum so that it stays {value}, or start a new "
+                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pass "
+                     f"--global-batch-size {value} (it sets --grad-accum from the world size, "
+                     "and an elastic torchrun restarts the same command), or pick --batch-size "
+                     "and --grad-accum so that it stays the same, or start a new "
                      "--experiment-name.")
         sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
                  f"{fingerprint.get(name)!r} now. Resuming would train a different run: pass "
@@ -406,9 +419,10 @@ class Context(NamedTuple):
 def init_distributed(args, rank, world_size):
     """Pick the device and, under torchrun, join the process group.
 
-    NCCL moves GPU tensors, gloo CPU ones. Every collective (all-reduce, barrier) waits for
-    all ranks; the first step may take long (compile, loading), later ones not, so the
-    timeout is shortened after it (--dist-timeout) and a hung rank fails fast.
+    NCCL moves GPU tensors, gloo CPU ones. Joining waits at most --dist-timeout (30 s at
+    least). Every collective (all-reduce, barrier) waits for all ranks; the first step may
+    take long (compile, loading), later ones not, so the timeout is shortened after it
+    (--dist-timeout) and a hung rank fails fast.
     """
     if args.deterministic:  # GPU kernels too, for bit-identical GPU runs (CPU ones already are)
         utils.deterministic()
@@ -424,8 +438,15 @@ def init_distributed(args, rank, world_size):
     if distributed:
         if "MASTER_ADDR" not in os.environ:
             sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        # A bounded join: a rank that cannot reach the others (one died while the group was
+        # forming) fails within --dist-timeout, not NCCL's or gloo's default 10 or 30
+        # minutes, so that torchrun restarts the group instead of the job hanging.
+        utils.join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world_size,
+                                 datetime.timedelta(seconds=max(args.dist_timeout, 30)),
+                                 device_id=device if device.type == "cuda" else None)
+        # The first step may be slow on some rank (compiling, loading): until it is done,
+        # collectives wait long (the timeout drops to --dist-timeout after it).
+        utils.set_collective_timeout(datetime.timedelta(minutes=30))
     LOGGER.info(f"Training on {device}, world size {world_size}")
     return Context(rank, world_size, device, distributed)
 
@@ -1307,6 +1328,10 @@ def get_parser():
     add("-b", "--batch-size", type=at_least(1), default=8,
         help="sequences per micro-batch (per rank)")
     add("--grad-accum", type=at_least(1), default=1, help="micro-batches per optimizer step")
+    add("--global-batch-size", type=at_least(1), default=None, metavar="N",
+        help="sequences per optimizer step over all ranks; sets --grad-accum to N / (world size "
+             "x --batch-size), so a run restarted on another number of ranks (torchrun "
+             "elastic) keeps its batch")
     add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
     add("--grad-clip", type=float, default=1.0,
         help="clip the global gradient norm to this (inf: never)")

@@ -37,3 +37,25 @@ def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("model")
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+# The 2-rank runs of test_distributed.py and test_elastic.py: built once for both.
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """8 shards of 40 fixed-length documents, a word tokenizer, and a held-out shard."""
+    from test_distributed import word_tokenizer, write_corpus
+    root = tmp_path_factory.mktemp("corpus")
+    write_corpus(root / "train", [40] * 8, words=29)  # <bos> d<id> 29 letters <eos>: 32 tokens
+    write_corpus(root / "val", [20], words=29, seed=1)
+    word_tokenizer().save_pretrained(root / "tokenizer")
+    return root
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory, tiny_model, corpus):
+    """The reference: 2 ranks x 4 sequences, uninterrupted."""
+    from test_distributed import args_for, run
+    save_dir = tmp_path_factory.mktemp("two")
+    run(args_for(save_dir, tiny_model, corpus), ranks=2)
+    return save_dir / "run"

@@ -45,12 +45,13 @@ TOKENIZER = word_tokenizer()
 ID_OF = {TOKENIZER.convert_tokens_to_ids(f"d{i}"): i for i in range(N_IDS)}
 
 
-def write_corpus(directory, sizes, *, words=None, seed=0):
-    """Shards of documents "d<id> <letters>"; ids are unique over the corpus. With ``words``
-    every document has exactly that many letters, else 0-9 at random."""
+def write_corpus(directory, sizes, *, words=None, seed=0, first_id=0):
+    """Shards of documents "d<id> <letters>"; ids are unique over the corpus (from
+    ``first_id``); returns how many. With ``words`` every document has exactly that many
+    letters, else 0-9 at random."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    doc_id = 0
+    doc_id = first_id
     for i, size in enumerate(sizes):
         lines = []
         for _ in range(size):
@@ -58,7 +59,7 @@ def write_corpus(directory, sizes, *, words=None, seed=0):
             lines.append(json.dumps({"text": " ".join([f"d{doc_id}", *rng.choices(LETTERS, k=n)])}))
             doc_id += 1
         (directory / f"train-{i:03d}.jsonl").write_text("".join(line + "\n" for line in lines))
-    return doc_id
+    return doc_id - first_id
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,16 +220,6 @@ def test_reshard_refuses_stages_it_cannot_split():
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """8 shards of 40 fixed-length documents, a word tokenizer, and a held-out shard."""
-    root = tmp_path_factory.mktemp("corpus")
-    write_corpus(root / "train", [40] * 8, words=29)  # <bos> d<id> 29 letters <eos>: 32 tokens
-    write_corpus(root / "val", [20], words=29, seed=1)
-    word_tokenizer().save_pretrained(root / "tokenizer")
-    return root
-
-
 def args_for(save_dir, model, corpus, name="run", **overrides):
     args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
             "dataset": corpus / "train/*.jsonl", "val-dataset": corpus / "val/*.jsonl",
@@ -286,14 +277,6 @@ def assert_same_weights(a, b):
 
 def final_model(exp_dir):
     return torch.load(exp_dir / f"checkpoints/step-{STEPS:06d}/model.pt", weights_only=True)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, tiny_model, corpus):
-    """The reference: 2 ranks x 4 sequences, uninterrupted."""
-    save_dir = tmp_path_factory.mktemp("two")
-    run(args_for(save_dir, tiny_model, corpus), ranks=2)
-    return save_dir / "run"
 
 
 def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(

@@ -1,0 +1,154 @@
+"""Resharding the pipelines the trainer builds besides plain pretraining: a Mix of domains with
+Online Data Mixing, and fine-tuning (SFT) samples packed (Pack) or padded (Pad).
+
+W ranks read a while and save; W' ranks (divisors of the slots) resume from those states with
+data.reshard and read on; the last world reads to the end of the (finite) data. Every document
+(every SFT record) must come out exactly once over all ranks, and the mixer's state must be
+the same on every rank after the reshard. Documents carry an id token (see test_distributed).
+"""
+
+import collections
+import json
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_distributed import ID_OF, TOKENIZER, stage, write_corpus
+
+import data
+import train_llm
+
+WORLDS = st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=3)  # divisors of 4 slots
+
+
+def args_for(p, *extra):
+    return train_llm.get_parser().parse_args([
+        "-e", "x", "--active-shards=4", "--epochs=1", f"--seed={p['seed']}",
+        "--tokenizer-threads=1", f"--seq-length={p['length']}",
+        f"--shuffle-buffer={p['shuffle']}", "--batch-size=1", *extra])
+
+
+def ids_in(batch):
+    return [ID_OF[t] for t in batch["input_ids"].flatten().tolist() if t in ID_OF]
+
+
+def run_worlds(p, build, after_reading=lambda pipe, k: None, check_resharded=lambda pipes: None):
+    """Ranks of each world size in ``p["worlds"]`` in turn, each resuming from the states the
+    ranks before saved; every world but the last reads ``p["cuts"][k]`` batches per rank (or
+    what is left), the last reads to the end. Returns the document ids of every batch, and
+    the last pipelines."""
+    states, seen = None, []
+    for k, world in enumerate(p["worlds"]):
+        last = k == len(p["worlds"]) - 1
+        pipes = [build(rank, world) for rank in range(world)]
+        if states is not None:
+            for pipe in pipes:
+                assert data.reshard(pipe, states)["old_world_size"] == len(states)
+            check_resharded(pipes)
+        states = []
+        for pipe in pipes:
+            for batch in pipe if last else data.Take(pipe, p["cuts"][k]):
+                seen += ids_in(batch)
+            after_reading(pipe, k)
+            states.append(json.loads(json.dumps(pipe.state_dict())))
+        if not last:
+            for pipe in pipes:
+                pipe.close()
+    return seen, pipes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=st.fixed_dictionaries({
+    "domains": st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=4), min_size=2,
+                        max_size=4),
+    "worlds": WORLDS,
+    "cuts": st.lists(st.integers(0, 15), min_size=3, max_size=3),
+    "length": st.integers(2, 9),
+    "shuffle": st.integers(1, 6),
+    "seed": st.integers(0, 3),
+    "variant": st.sampled_from(["exp3", "smoothed-mean"]),
+}))
+def test_a_mix_with_odm_reshards_every_document_exactly_once(tmp_path_factory, p):
+    """2-4 domains, ODM updated once per batch of the cut with the same losses on every rank
+    (as the trainer's all-reduced ones are, and however many batches a rank still had). A Mix ends when its drawn domain runs dry: what the other
+    domains still hold (prefetched, shuffled, chunked) is read out after it."""
+    root = tmp_path_factory.mktemp("domains")
+    n_docs = 0
+    for d, sizes in enumerate(p["domains"]):
+        n_docs += write_corpus(root / f"dom{d}", sizes, seed=p["seed"] + d, first_id=n_docs)
+    args = args_for(p, f"--odm={p['variant']}", "--odm-warmup-steps=1")
+    urls = str(root / "*/*.jsonl")
+    args.dataset = urls
+
+    def build(rank, world):
+        _, weights, mixer = train_llm.mixture(args)
+        return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True,
+                                        weights=weights, mixer=mixer)
+
+    def after_reading(pipe, k):  # losses that differ by domain and step, the same on all ranks
+        mixer = stage(pipe, data.Mix).mixer
+        for n in range(p["cuts"][k]):
+            mixer.update({d: 1 + (d * 7 + n + k) % 5 for d in range(len(p["domains"]))}, n + 2)
+
+    def check_resharded(pipes):
+        mixers = [json.dumps(stage(pipe, data.Mix).mixer.state_dict()) for pipe in pipes]
+        assert len(set(mixers)) == 1
+
+    try:
+        seen, pipes = run_worlds(p, build, after_reading, check_resharded)
+    except SystemExit:  # a domain with fewer documents than slots: refused at start
+        return
+    for pipe in pipes:  # what the domains hold after the Mix stopped
+        for domain in stage(pipe, data.Mix).pipelines:
+            seen += [i for item in domain for i in ids_in(item)]
+            chunker = stage(domain.src, data.ConcatChunk)
+            seen += [ID_OF[t] for t in chunker.buf[chunker.pos:].tolist() if t in ID_OF]
+        pipe.close()
+    assert collections.Counter(seen) == collections.Counter(range(n_docs))
+
+
+def write_records(directory, sizes, seed):
+    """Shards of instruction records whose instruction starts with the record's id token."""
+    n = write_corpus(directory, sizes, seed=seed)
+    for shard in directory.glob("*.jsonl"):
+        records = [json.loads(line)["text"].split(" ", 1) + [""] for line in
+                   shard.read_text().splitlines()]
+        shard.write_text("".join(json.dumps({"instruction": words[0], "output": words[1]}) + "\n"
+                                 for words in records))
+    return n
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
+    "worlds": WORLDS,
+    "cuts": st.lists(st.integers(0, 15), min_size=3, max_size=3),
+    "length": st.integers(40, 60),  # (the prompt's own words take about 15 tokens)
+    "shuffle": st.integers(1, 6),
+    "seed": st.integers(0, 3),
+    "pad": st.booleans(),
+}))
+def test_sft_samples_reshard_exactly_once_packed_or_padded(tmp_path_factory, p):
+    """The trainer's SFT pipeline (Pack: a sample that did not fit waits in its state), or the
+    same with Pad, one sample per sequence."""
+    directory = tmp_path_factory.mktemp("records")
+    n_records = write_records(directory, p["sizes"], p["seed"])
+    args = args_for(p, "--task=sft")
+    urls = str(directory / "*.jsonl")
+
+    def build(rank, world):
+        if not p["pad"]:
+            return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True)
+        try:
+            pipe = train_llm.source(urls, args, rank, world, True, TOKENIZER)
+        except SystemExit:  # fewer records than slots: refused at start, as by the trainer
+            raise data.SplitError("too few", 1)
+        pipe = data.Pad(data.FormatInstructions(pipe, TOKENIZER), p["length"], pad_id=0)
+        return data.Batch(data.Shuffle(pipe, p["shuffle"], seed=p["seed"]), 1)
+
+    try:
+        seen, pipes = run_worlds(p, build)
+    except (SystemExit, data.SplitError):  # fewer records than slots: nothing to check
+        return
+    for pipe in pipes:
+        pipe.close()
+    assert collections.Counter(seen) == collections.Counter(range(n_records))
