@@ -529,26 +529,15 @@ class Files(Stage):
                            skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
                            slots=[slots[s] for s in keep])
 
-    def advanced(self, state, n, pieces=None):
-        """The state ``n`` records after ``state``, which any rank of any world size may have
-        saved: resharding uses it to find where a rank's consumer really was. With
-        ``pieces(record)`` (Tokenize cuts long records), ``n`` counts pieces; a state that
-        ends inside a record cannot be moved to another rank and is refused."""
+    def reading_as(self, state):
+        """A copy of this Files that reads on from ``state``, which any rank of any world size
+        may have saved (resharding re-reads with it where a rank's consumer really was)."""
         other = copy.copy(self)  # same shards and seed; slots and files of its own below
         other.config = {**self.config, "rank": state["config"]["rank"],
                         "world_size": state["config"]["world_size"]}
         other._files = []
         other.load_state_dict(state)  # also checks that the other arguments are ours
-        try:
-            while n > 0:
-                record = next(other)
-                n -= pieces(record) if pieces else 1
-            if n < 0:
-                raise ValueError("a rank stopped inside a document that Tokenize had cut into "
-                                 "pieces (max_chars); resume on the same number of ranks")
-            return other.state_dict()
-        finally:
-            other.close()
+        return other
 
     # -- the shards: how to open them, what kind they are ----------------------------------
 
@@ -1164,14 +1153,37 @@ class Tokenize(Stage):
         self._skip = state["skip"]
 
     def reshard_state(self, olds, ctx):
-        """Each old rank's Files state, moved on past the documents (pieces) its consumer had
-        been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
-        if not isinstance(self.src, Files):
-            raise ValueError("reshard: Tokenize must read straight from Files")
+        """Each old rank's upstream state, moved on past the documents (pieces) its consumer
+        had been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
         ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
-        advanced = [self.src.advanced(old["upstream"], old["skip"], self.n_pieces)
-                    for old in olds]
+        advanced = [self._advanced(old["upstream"], old["skip"]) for old in olds]
         return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
+
+    def _advanced(self, state, n):
+        """The upstream ``state`` (any old rank's) ``n`` documents (pieces) on: Files re-reads
+        as that rank did, through copies of the stages between it and here. Those must be
+        stages without state (Map, Filter): one with state of its own is refused by name."""
+        between, below, files = [], state, self.src
+        while not isinstance(files, Files):
+            if files is None or set(below) - {"config", "upstream"}:
+                name = type(files).__name__ if files else "a pipeline without Files"
+                raise ValueError(f"reshard: between Files and Tokenize only stages without "
+                                 f"state may stand (Map, Filter), not {name}")
+            between.append(files)
+            files, below = files.src, below["upstream"]
+        top = reader = files.reading_as(below)
+        try:
+            for stage in reversed(between):  # from Files up, each reading the copy below
+                above = copy.copy(stage)
+                above.src, top = top, above
+            while n > 0:
+                n -= self.n_pieces(next(top))
+            if n < 0:
+                raise ValueError("a rank stopped inside a document that Tokenize had cut into "
+                                 "pieces (max_chars); resume on the same number of ranks")
+            return top.state_dict()
+        finally:
+            reader.close()
 
     def close(self):
         if self._pool is not None:

@@ -65,6 +65,8 @@ DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.pa
 # changed --lr would be silently ignored). Resuming with one of them changed is refused. The
 # batch counts as one number, the global batch: --batch-size and --grad-accum may change with
 # the world size. Everything else (--max-steps, logging, checkpointing, threads) may change.
+# A flag added here later must default to what the kit did before it existed: a run saved
+# without its key counts as having had the default (check_unchanged).
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "init_from",
                "seed", "seq_length", "lr", "min_lr", "warmup_steps", "weight_decay",
@@ -174,10 +176,15 @@ def main():
             stats = train_step(model, batches, ctx, timers, len(domains))
             # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
             stats["stop"] = torch.full((), float(stop.is_set()), device=ctx.device)
+            log_step = step % args.log_freq == 0 or step == args.max_steps
+            if log_step:  # bad records skipped so far, on all ranks (summed below)
+                stats["skipped"] = torch.full((), float(utils.skipped_records(
+                    train_loader.state_dict())), device=ctx.device)
             with timers["update"]:
                 # One all-reduce, and one wait for the GPU, for all the step's numbers: loss,
                 # gradient norm (the same on every rank: rank 0's is added), per-domain sums,
-                # and whether a rank got a signal (all ranks stop where any of them saw one).
+                # skipped records, and whether a rank got a signal (all ranks stop where any of
+                # them saw one).
                 norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                  args.grad_clip))
                 stats["grad_norm"] = norm if ctx.rank == 0 else torch.zeros_like(norm)
@@ -204,10 +211,10 @@ def main():
                        "tokens_seen": state["tokens_seen"]}
             if domains:
                 metrics |= mixing_metrics(stats, domains, probabilities, mixer, state, args)
-            if step % args.log_freq == 0 or step == args.max_steps:
+            if log_step:
                 metrics |= speed_metrics(timers, (step - last_log_step) * tokens_per_step,
                                          flops_per_token, peak_flops, ctx)
-                metrics["data/skipped"] = utils.skipped_records(train_loader.state_dict())
+                metrics["data/skipped"] = int(stats["skipped"])
                 last_log_step = step
             if step % args.val_freq == 0 or step == args.max_steps or stats["stop"]:
                 metrics |= validate()
@@ -376,7 +383,10 @@ def export_again_if_stale(exp_dir, checkpoint):
 def check_unchanged(args, fingerprint, saved, when, world_size):
     """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
     A local path that an earlier version recorded as typed (relative) counts as unchanged if
-    it names the same files: the run then keeps its old spelling."""
+    it names the same files: the run then keeps its old spelling. A flag of the FINGERPRINT
+    that ``saved`` lacks (added to the kit after the run started) counts as its default."""
+    parser = get_parser()
+    saved = {name: parser.get_default(name) for name in FINGERPRINT} | saved
     for name, value in saved.items():
         if name == "prompt_format":  # found in the data, which --dataset already pins
             continue

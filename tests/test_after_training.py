@@ -72,8 +72,9 @@ def test_generate_is_deterministic_per_seed(run_dir, capsys, monkeypatch):
 def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tmp_path, capsys,
                                                          monkeypatch):
     """A new run starts from the weights of each kind of source. Its one update at --lr 1e-30
-    is below float32's resolution, so its final weights must equal the source's, bit for
-    bit; the pretrain -> SFT chain goes through --task sft here."""
+    moves no weight by more than about 1e-30 (below float32's resolution for all but exact
+    zeros), so its final weights must equal the source's to that; a fresh model's differ by
+    far more. The pretrain -> SFT chain goes through --task sft here."""
     sources = {"run": run_dir, "checkpoint": run_dir / "checkpoints/step-000005",
                "hf": run_dir / "hf"}
     for name, source in sources.items():
@@ -83,7 +84,8 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
         assert result.returncode == 0, result.stderr
         expected = utils.load_trained(source)[0].state_dict()
         got = utils.load(tmp_path / name / "checkpoints/step-000001/model.pt", "cpu")
-        assert all(torch.equal(got[k], expected[k]) for k in got), name
+        for k in got:
+            torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-20, msg=name)
     # The SFT model's prompt is wrapped in the template it was trained with.
     capsys.readouterr()
     for flags, template in (([], True), (["--no-template"], False)):

@@ -140,6 +140,23 @@ def test_a_checkpoint_of_another_run_is_refused(four_steps, tmp_path, tiny_model
     assert snapshot(exp) == before
 
 
+def test_a_flag_newer_than_the_run_counts_as_its_default(four_steps, tmp_path, tiny_model):
+    """A run saved before --data-format existed (no key in its configs), resumed with a
+    non-default --data-format: refused by name, as if the run had had the default."""
+    exp = copy_run(four_steps, tmp_path)
+    for path in (exp / "state.json", exp / "checkpoints/step-000004/state.json"):
+        state = json.loads(path.read_text())
+        del state["config"]["data_format"]
+        path.write_text(json.dumps(state))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6,
+                              data_format="jsonl"))
+    refused(result, "--data-format was None when", "'jsonl' now")
+    assert snapshot(exp) == before
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6))
+    assert result.returncode == 0, result.stderr  # the default: the run goes on
+
+
 def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     empty = jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 100)
     result = train(train_args(tmp_path, tiny_model, name="e", dataset=empty, max_steps=3))
@@ -158,11 +175,21 @@ def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     (["--profile-steps", "5,3"], "expected FIRST,LAST"),
     (["--profile-steps", "0,3"], "expected FIRST,LAST"),
     (["--device", "nonsense"], "is not a torch device"),
+    (["--global-batch-size", "10", "-b", "4"], "must be a multiple of world size x --batch-size"),
+    (["--global-batch-size", "8", "-b", "4", "--grad-accum", "3"], "(leave it out)"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_llm.parse_args(["-e", "x", *argv])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world_size, grad_accum", [(1, 4), (2, 2), (4, 1)])
+def test_the_global_batch_size_sets_grad_accum_from_the_world_size(world_size, grad_accum,
+                                                                   monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    args = train_llm.parse_args(["-e", "x", "--global-batch-size", "16", "-b", "4"])
+    assert args.grad_accum == grad_accum
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -10,6 +10,7 @@ the same on every rank after the reshard. Documents carry an id token (see test_
 import collections
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_distributed import ID_OF, TOKENIZER, stage, write_corpus
@@ -152,3 +153,54 @@ def test_sft_samples_reshard_exactly_once_packed_or_padded(tmp_path_factory, p):
     for pipe in pipes:
         pipe.close()
     assert collections.Counter(seen) == collections.Counter(range(n_records))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(p=st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
+    "worlds": WORLDS,
+    "cuts": st.lists(st.integers(0, 15), min_size=3, max_size=3),
+    "length": st.integers(2, 9),
+    "shuffle": st.integers(1, 6),
+    "seed": st.integers(0, 3),
+    "threads": st.integers(1, 2),
+}))
+def test_a_filter_before_tokenize_reshards_every_kept_document_once(tmp_path_factory, p):
+    """Files -> Filter (drop every third document) -> Map -> Tokenize -> ... -> Batch: the
+    re-read after the reshard goes through the Filter again, so every kept document comes out
+    exactly once and no dropped one appears."""
+    directory = tmp_path_factory.mktemp("corpus")
+    n_docs = write_corpus(directory, p["sizes"], seed=p["seed"])
+    urls = str(directory / "*.jsonl")
+
+    def build(rank, world):
+        pipe = data.Files(urls, epochs=1, repeat=True, seed=p["seed"], shuffle_shards=True,
+                          rank=rank, world_size=world, n_active_shards=4)
+        pipe = data.Filter(pipe, lambda record: int(record["text"].split()[0][1:]) % 3 != 0)
+        pipe = data.Map(pipe, lambda record: {"text": record["text"].upper().lower()})
+        pipe = data.Tokenize(pipe, TOKENIZER, num_threads=p["threads"], batch_size=3)
+        pipe = data.ConcatChunk(data.EnsureBosEos(pipe, TOKENIZER), p["length"])
+        return data.Batch(data.Shuffle(pipe, p["shuffle"], seed=p["seed"]), 1)
+
+    try:
+        seen, pipes = run_worlds(p, build)
+    except data.SplitError:  # fewer documents than slots: nothing to check
+        return
+    for pipe in pipes:
+        chunker = stage(pipe, data.ConcatChunk)
+        seen += [ID_OF[t] for t in chunker.buf[chunker.pos:].tolist() if t in ID_OF]
+        pipe.close()
+    assert collections.Counter(seen) == collections.Counter(
+        [d for d in range(n_docs) if d % 3 != 0])
+
+
+def test_a_stage_with_state_before_tokenize_is_refused_by_name(tmp_path):
+    write_corpus(tmp_path, [10, 10])
+    pipes = [data.Tokenize(data.Take(data.Files(str(tmp_path / "*.jsonl"), rank=r, world_size=2,
+                                                n_active_shards=2), 5), TOKENIZER)
+             for r in range(2)]
+    states = [pipe.state_dict() for pipe in pipes]
+    one = data.Tokenize(data.Take(data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2), 5),
+                        TOKENIZER)
+    with pytest.raises(ValueError, match="only stages without state may stand .* not Take"):
+        data.reshard(one, states)

@@ -131,7 +131,9 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
     # with its backward and one optimizer step.
     assert sorted(n for n in names if n and n.startswith("ProfilerStep")) == [
         "ProfilerStep#2", "ProfilerStep#3"]
-    assert names["Optimizer.step#AdamW.step"] == 2 and any("Backward" in n for n in names if n)
+    optimizer_steps = sum(n for name, n in names.items() if name and name.startswith(
+        "Optimizer.step#"))  # (named after the optimizer's class: whichever it is)
+    assert optimizer_steps == 2 and any("Backward" in n for n in names if n)
 
     rows = metrics(straight)
     assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))

@@ -1,0 +1,73 @@
+"""A model written by hand, without transformers, trained through the kit: what a learner who
+swaps in their own model does (README, "Changing the kit": train_llm.create_model). Runs
+train_llm.py, or a script of scripts/, with train_llm.create_model returning TinyGPT.
+
+    python tests/own_model.py train_llm.py --experiment-name ...   (train_llm.py's flags)
+    python tests/own_model.py scripts/generate.py RUN ...
+"""
+
+import runpy
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import train_llm  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, dropout):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape in miniature: token + position embeddings, pre-norm blocks, a tied
+    output layer. Its forward takes the kit's keyword arguments and returns ``.logits``."""
+
+    def __init__(self, vocab_size, dim=32, layers=1, heads=2, positions=64, dropout=0.1):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab_size, dim), nn.Embedding(positions, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+
+    def forward(self, input_ids, position_ids=None, **unused):  # (use_cache: no cache here)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.tokens(input_ids) + self.positions(position_ids))
+        for block in self.blocks:
+            x = block(x)
+        return types.SimpleNamespace(logits=self.ln(x) @ self.tokens.weight.T)
+
+
+def create_model(args):
+    from transformers import AutoTokenizer
+    return TinyGPT(len(AutoTokenizer.from_pretrained(args.tokenizer)))
+
+
+if __name__ == "__main__":
+    train_llm.create_model = create_model
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    if Path(script).name == "train_llm.py":
+        train_llm.main()
+    else:
+        runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,86 @@
+"""A model of one's own: tests/own_model.py's TinyGPT (no transformers) put into
+train_llm.create_model, as a learner would. It trains, resumes bit-identically after a
+SIGKILL, samples at validation, and generate.py and --init-from rebuild it from the run; what
+needs transformers (the hf/ export, activation checkpointing) says so at start, never with a
+traceback after training."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_faults import refused
+from test_train import ENV, ROOT, kill_at, metrics, train_args
+
+STEPS = 8
+
+
+def own(script, args, timeout=120):
+    return subprocess.run([sys.executable, "tests/own_model.py", script, *map(str, args)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def args_for(save_dir, name="run", **overrides):
+    # (--model-name is not read by TinyGPT's create_model, but is recorded like any flag.)
+    return train_args(save_dir, ROOT / "assets/tiny-gpt2", name=name, max_steps=STEPS,
+                      ckpt_freq=4, val_freq=4, log_freq=1, sample_tokens=8, **overrides)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("own")
+    result = own("train_llm.py", args_for(save_dir))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "run", result.stderr
+
+
+def final_weights(exp_dir):
+    return torch.load(exp_dir / f"checkpoints/step-{STEPS:06d}/model.pt", weights_only=True)
+
+
+def test_it_trains_samples_and_says_there_is_no_hf_export(straight):
+    exp_dir, log = straight
+    rows = metrics(exp_dir)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert "tokens.weight" in final_weights(exp_dir)  # TinyGPT's, not GPT2LMHeadModel's
+    assert all(isinstance(row.get("sample", ""), str) for row in rows)
+    assert any(row.get("sample") for row in rows)
+    assert "TinyGPT is no transformers model: no hf/ export" in log
+    assert not (exp_dir / "hf").exists()
+
+
+def test_killed_and_resumed_it_ends_bit_identical(straight, tmp_path):
+    exp_dir = tmp_path / "run"
+    args = args_for(tmp_path)
+    with open(tmp_path / "log.txt", "ab") as out:
+        proc = subprocess.Popen([sys.executable, "tests/own_model.py", "train_llm.py",
+                                 *map(str, args)], cwd=ROOT, env=ENV, stdout=out,
+                                stderr=subprocess.STDOUT)
+    kill_at(proc, exp_dir, 5)
+    result = own("train_llm.py", args)
+    assert result.returncode == 0, result.stderr
+    assert "Resuming" in result.stderr
+    ours, theirs = final_weights(exp_dir), final_weights(straight[0])
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    rerun = own("train_llm.py", args)  # done: no export to redo, no traceback
+    assert rerun.returncode == 0 and "Traceback" not in rerun.stderr, rerun.stderr
+
+
+def test_generate_and_init_from_rebuild_it_from_the_run(straight, tmp_path):
+    exp_dir = straight[0]
+    result = own("scripts/generate.py", [exp_dir, "--prompt", "def", "--max-new-tokens", "8"])
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    result = own("train_llm.py", args_for(tmp_path, name="next", init_from=exp_dir,
+                                          max_steps=2))
+    assert result.returncode == 0, result.stderr
+
+
+def test_what_needs_transformers_refuses_at_start(straight, tmp_path):
+    result = own("scripts/export_hf.py", [straight[0], "--out", tmp_path / "out"])
+    refused(result, "a model of its own", "no Hugging Face layout")
+    assert not (tmp_path / "out").exists()
+    result = own("train_llm.py", args_for(tmp_path, activation_checkpointing=True))
+    refused(result, "--activation-checkpointing", "TinyGPT")
+    assert not (tmp_path / "run/checkpoints").exists()
