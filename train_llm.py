@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import data
 import utils
@@ -111,7 +111,7 @@ def main():
     torch.manual_seed(args.seed)
 
     tokenizer, model = build_model(args, ctx.device)
-    flops_per_token = utils.flops_per_token(model, model.config, args.seq_length)
+    flops_per_token = utils.flops_per_token(model, args.seq_length)
     model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
     optimizer = build_optimizer(model, args, ctx.device)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -373,9 +373,11 @@ def export_again_if_stale(exp_dir, checkpoint):
     full disk during the export at its end) is exported from its last checkpoint."""
     if utils.export_is_current(exp_dir / "hf", checkpoint):
         return
+    model, tokenizer, config = utils.load_trained(exp_dir / checkpoint)
+    if not isinstance(model, PreTrainedModel):  # a model of your own: nothing to export
+        return
     LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
                 "again")
-    model, tokenizer, config = utils.load_trained(exp_dir / checkpoint)
     utils.save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint, owned=True)
     LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
 
@@ -465,6 +467,18 @@ def init_distributed(args, rank, world_size):
 # Model, optimizer, learning-rate schedule
 # ----------------------------------------------------------------------------------------------
 
+def create_model(args):
+    """The architecture with fresh random weights: --model-name's config, for transformers.
+
+    The one place for a model of your own: any nn.Module whose forward takes ``input_ids=``
+    and ``position_ids=`` (and ignores other keywords) and returns an object with ``.logits``.
+    The trainer builds the model here, and --init-from, scripts/generate.py and
+    scripts/export_hf.py rebuild a run's model here, from the arguments the run recorded
+    (utils.load_trained), so they rebuild what the run trained."""
+    config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def build_model(args, device):
     """The tokenizer, and the model: --model-name's config with fresh random weights, its saved
     weights (--init-from-pretrained), or the weights of an earlier run or an HF directory
@@ -474,26 +488,42 @@ def build_model(args, device):
     tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
     if args.init_from:  # its architecture too: --model-name is not used
         model = utils.load_trained(args.init_from)[0]
-        model.config.use_cache = False
     elif args.init_from_pretrained:
         model = utils.pretrained(AutoModelForCausalLM, args.model_name, "--model-name",
                                  use_cache=False, dtype=torch.float32)
     else:
-        config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
-        model = AutoModelForCausalLM.from_config(config)
-    config = model.config
-    if len(tokenizer) > config.vocab_size:
-        sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only "
-                 f"{config.vocab_size} embeddings: pick a matching --model-name.")
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions and args.seq_length > positions:
-        sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
-                 f"of --model-name {args.model_name}")
+        model = create_model(args)
+    check_model(model, tokenizer, args)
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.to(device)
     LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     return tokenizer, model
+
+
+def check_model(model, tokenizer, args):
+    """What the tokenizer, --seq-length and the flags need of the model, checked before any
+    training; a model of your own (create_model) is told what needs transformers."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False  # training never reads a KV cache: none is built
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:
+        sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only {vocab} "
+                 "embeddings: pick a matching --model-name.")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and args.seq_length > positions:
+        sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
+                 f"of --model-name {args.model_name}")
+    if isinstance(model, PreTrainedModel):
+        return
+    if args.activation_checkpointing:
+        sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
+                 f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
+                 "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
+    LOGGER.info(f"{type(model).__name__} is no transformers model: no hf/ export when the run "
+                "ends (its checkpoints hold its weights; generate.py and --init-from rebuild it "
+                "with create_model)")
 
 
 def parallelize(model, args, ctx):
@@ -507,7 +537,7 @@ def parallelize(model, args, ctx):
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if ctx.device.type == "cuda" else MixedPrecisionPolicy())
         for module in model.modules():  # HF models name their transformer block classes
-            if type(module).__name__ in (model._no_split_modules or ()):
+            if type(module).__name__ in (getattr(model, "_no_split_modules", None) or ()):
                 fully_shard(module, mp_policy=policy)
         return fully_shard(model, mp_policy=policy)  # in place: the model is its shards now
     if ctx.world_size > 1:
@@ -868,7 +898,10 @@ def export_hf(model, tokenizer, out, state, ctx):
     """The trained model in the Hugging Face layout (safetensors) with its tokenizer, so that
     AutoModelForCausalLM.from_pretrained(out) works anywhere. Written when a run ends, from the
     weights of its last checkpoint; ``train_llm.json`` beside it records the run's config.
-    With FSDP every rank takes part in gathering the full weights; rank 0 writes them."""
+    With FSDP every rank takes part in gathering the full weights; rank 0 writes them. A model
+    of your own (create_model) has no such layout: its checkpoints are its export."""
+    if not isinstance(unwrap(model), PreTrainedModel):
+        return
     weights = None
     if isinstance(model, FSDPModule):  # the full weights, gathered from every rank's shards
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -1420,7 +1453,8 @@ def expected_failure(error):
     return None
 
 
-if __name__ == "__main__":
+def cli():
+    """main(), with the failures a user can mend as one paragraph (expected_failure)."""
     try:
         main()
     except (*EXPECTED, RuntimeError) as e:
@@ -1437,3 +1471,7 @@ if __name__ == "__main__":
     except BaseException:  # a bug (or Ctrl-C before training has begun)
         FILE_LOG.error("Failed", exc_info=True)
         raise
+
+
+if __name__ == "__main__":
+    cli()

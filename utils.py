@@ -13,6 +13,7 @@ import fcntl
 import gc
 import glob
 import json
+import math
 import mmap
 import os
 import pickle
@@ -168,15 +169,37 @@ def peak_flops(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def flops_per_token(model, config, seq_length):
+def sample_plainly(model, ids, max_new_tokens, temperature, top_k, eos_id):
+    """Sampling for a model without transformers' generate(): a forward pass over the whole
+    sequence per new token (no KV cache), top-k, stopping at ``eos_id`` (None: never)."""
+    for _ in range(max_new_tokens):
+        logits = torch.nan_to_num(model(input_ids=ids).logits[:, -1, :].float())
+        if temperature > 0:
+            logits = logits / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            next_id = torch.multinomial(torch.softmax(logits.masked_fill(logits < kth, -math.inf),
+                                                      dim=-1), 1)
+        else:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+        if next_id.item() == eos_id:
+            break
+    return ids
+
+
+def flops_per_token(model, seq_length):
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM paper, appendix B).
 
     6N: each of the N weights does a multiply-add (2 FLOPs) per token forward and twice that
     backward. N leaves out the input embedding, a table lookup, unless it is tied to the
     output layer (then it is also that layer's matmul). 12·L·H·Q·T: the attention scores
     and their weighted sum, which grow with the sequence length T (L layers, H heads of size Q).
+    A model of your own without a transformers config counts 6N alone, N all its weights.
     """
     n = sum(p.numel() for p in model.parameters())
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_input_embeddings"):
+        return 6 * n
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     if output is None or output.weight is not embedding:
@@ -396,7 +419,7 @@ def load_trained(path):
     """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
     directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
     as a run's hf/) or a Hub name. The model is float32, on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
         record = path / EXPORT_MARKER  # what hf/ says about the run that made it
@@ -406,10 +429,12 @@ def load_trained(path):
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
     ckpt_dir = find_checkpoint(path)
     config = json.loads((ckpt_dir / "state.json").read_text())["config"]
-    source = config.get("init_from") or config["model_name"]  # where its architecture is
-    model_config = (load_trained(kit_path(source))[0].config if config.get("init_from")
-                    else pretrained(AutoConfig, kit_path(source), "the run's --model-name"))
-    model = AutoModelForCausalLM.from_config(model_config)
+    if config.get("init_from"):  # the architecture of the model it started from
+        model = load_trained(kit_path(config["init_from"]))[0]
+    else:  # built as the run built it, from the arguments it recorded
+        import train_llm  # (here: train_llm imports this module)
+        args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
+        model = train_llm.create_model(types.SimpleNamespace(**args))
     try:
         weights = checkpoint_weights(ckpt_dir)
         model.load_state_dict(weights)
@@ -561,13 +586,17 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and \
         prompt_format != "chat" else []
     ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
         max_new_tokens = min(max_new_tokens, limit - 1)
         ids = ids[:, -(limit - max_new_tokens):]  # the prompt's end is what counts
     sample = temperature > 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
+        if not hasattr(model, "generate"):  # a model of your own (train_llm.create_model)
+            out = sample_plainly(model, ids, max_new_tokens, temperature, top_k,
+                                 None if fixed_length else tokenizer.eos_token_id)
+            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, do_sample=sample,
                              min_new_tokens=max_new_tokens if fixed_length else None,

@@ -30,6 +30,11 @@ def main():
     args = parser.parse_args()
     source = args.checkpoint or args.run_dir
     model, tokenizer, config = utils.load_trained(source)
+    if not isinstance(model, transformers.PreTrainedModel):
+        sys.exit(f"{source} trained {type(model).__name__}, a model of its own "
+                 "(train_llm.create_model), not a transformers one: there is no Hugging Face "
+                 "layout to write. Its checkpoints are its export: build the model with "
+                 "create_model and load model.pt with torch.load(..., weights_only=True).")
     if (source / "config.json").exists():  # already Hugging Face files: re-exported as they are
         checkpoint = source
     else:

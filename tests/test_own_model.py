@@ -22,8 +22,9 @@ def own(script, args, timeout=120):
 
 def args_for(save_dir, name="run", **overrides):
     # (--model-name is not read by TinyGPT's create_model, but is recorded like any flag.)
-    return train_args(save_dir, ROOT / "assets/tiny-gpt2", name=name, max_steps=STEPS,
-                      ckpt_freq=4, val_freq=4, log_freq=1, sample_tokens=8, **overrides)
+    flags = {"max_steps": STEPS, "ckpt_freq": 4, "val_freq": 4, "log_freq": 1,
+             "sample_tokens": 8, **overrides}
+    return train_args(save_dir, ROOT / "assets/tiny-gpt2", name=name, **flags)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,6 @@ def test_what_needs_transformers_refuses_at_start(straight, tmp_path):
     result = own("scripts/export_hf.py", [straight[0], "--out", tmp_path / "out"])
     refused(result, "a model of its own", "no Hugging Face layout")
     assert not (tmp_path / "out").exists()
-    result = own("train_llm.py", args_for(tmp_path, activation_checkpointing=True))
+    result = own("train_llm.py", [*args_for(tmp_path), "--activation-checkpointing"])
     refused(result, "--activation-checkpointing", "TinyGPT")
     assert not (tmp_path / "run/checkpoints").exists()
