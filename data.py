@@ -202,18 +202,146 @@ def _cuts(units, n):
     return [(units * j // n, units * (j + 1) // n) for j in range(n)]
 
 
+class Shards:
+    """What the shards of a Files are: their kind (JSON Lines, text, a JSON array, Parquet),
+    how to open them (smart_open), and how they are cut into input splits (plan, cut). Its
+    caches are derived from the files and never saved; Files keeps the books of reading them.
+
+    **Splits.** The shards are cut into input *splits* (see plan): a whole shard, or a
+    range of one (bytes of a JSON Lines shard, row groups of a Parquet shard, records of a JSON
+    array). A byte range owns the lines that *start* inside it, as Hadoop's line reader does:
+    its reader seeks to the start, skips to the first line start at or after it, and reads
+    through the line that crosses its end, so every line belongs to exactly one split.
+    """
+
+    def __init__(self, urls, *, format=None, transport_params=None, retry=None,
+                 required_fields=()):
+        self.urls, self.format = urls, format
+        self.transport_params, self.retry = transport_params, retry
+        self.required_fields = tuple(required_fields)
+        self._kinds, self._arrays, self._bases = {}, {}, {}
+
+    def cut(self, plan):
+        """The input splits, (url, start, end), in order, for a ``plan`` of plan()."""
+        if plan is None:
+            return [(url, 0, None) for url in self.urls]
+        return [(url, *piece) for url, (units, n) in zip(self.urls, plan)
+                for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+
+    def too_few_splits(self, n, n_slots, world_size):
+        """The SplitError for shards cut into only ``n`` splits, fewer than ``n_slots``."""
+        most = n // world_size * world_size
+        fix = (f"pass n_active_shards={most} (train_llm.py: --active-shards {most}), a multiple "
+               f"of the world size {world_size} no larger than {n}" if most else
+               f"that is fewer than the {world_size} ranks: store the data as plain JSON Lines "
+               "(cut at any line), or in more shards or Parquet row groups")
+        return SplitError(
+            f"{len(self.urls)} shard(s) can be cut into only {n} input split(s) (a compressed "
+            "JSON Lines shard cannot be cut, a Parquet shard only between row groups), fewer "
+            f"than the n_active_shards={n_slots} slots that must each read one; {fix}.", n)
+
+    def keep_arrays(self, urls):
+        """A JSON array's records are held only while a slot reads it."""
+        self._arrays = {url: records for url, records in self._arrays.items() if url in urls}
+
+    def plan(self, n_slots):
+        """How the shards are cut: None (each shard is one split), or [units, splits] per shard.
+
+        Every slot needs a split of its own in every epoch: a slot without one would read the
+        next epoch's copy of a document beside this epoch's (one file over 8 slots used to give
+        every document 8 times in a row, and ranks past the first nothing to read). With at
+        least as many shards as slots, every shard is one split and no shard is looked at,
+        which matters with thousands of shards in a bucket. With fewer, each shard is measured
+        (a stat, a Parquet footer, a JSON array parsed: fewer than n_slots requests) and they
+        are cut into exactly n_slots splits of about equal bytes: one per slot and epoch, so
+        the slots (and ranks) read equal shares and move through the epochs together. The units
+        are bytes (JSON Lines), row groups (Parquet) or records (JSON array); a compressed JSON
+        Lines shard cannot seek, so it is one split (units None). The plan is a pure function
+        of the shards and n_slots, never of the world size, and it is part of the config: a
+        shard that changed size since the state was saved is refused.
+        """
+        if len(self.urls) >= n_slots:
+            return None
+        sizes, units, caps = zip(*(self.measure(url) for url in self.urls))
+        counts = [1] * len(self.urls)
+        for _ in range(n_slots - len(self.urls)):
+            # D'Hondt: the next split goes to the shard whose splits are the largest now.
+            growable = [i for i in range(len(counts)) if counts[i] < caps[i]]
+            if not growable:
+                break
+            counts[max(growable, key=lambda i: sizes[i] / counts[i])] += 1
+        return [[u, n] for u, n in zip(units, counts)]
+
+    def measure(self, url):
+        """(bytes, units to cut into, most splits) of a shard; units None when it cannot be
+        cut. Bytes and records may be cut finer than one per split (some splits are empty)."""
+        kind = self.kind(url)  # (it retries on its own: not inside the retries below)
+
+        def attempt():
+            if kind == "parquet":
+                with self.open(url) as f:
+                    groups = _parquet_file(f, url, self.required_fields).num_row_groups
+                    return f.seek(0, os.SEEK_END), groups, max(1, groups)
+            size = _size(url, self.open)
+            if kind == "array":
+                return size, len(self.array(url)), math.inf
+            return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
+        return self.retry.run(url, "its size", attempt)
+
+    def open(self, url):
+        params = self.transport_params or {}
+        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
+            params = {"defer_seek": True, **params}
+        return smart_open.open(url, "rb", transport_params=params)
+
+    def kind(self, url):
+        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
+            return kind
+        if (self.format or shard_format(url)) in ("parquet", "text"):
+            self._kinds[url] = self.format or shard_format(url)
+        else:
+            name = url.split("?")[0]
+            for suffix in _COMPRESSED:
+                name = name.removesuffix(suffix)
+            array = self.format is None and name.endswith(".json") and self.retry.run(
+                url, "its first byte", lambda: _first_byte(url, self.open) == b"[")
+            self._kinds[url] = "array" if array else "jsonl"
+        return self._kinds[url]
+
+    def array(self, url):
+        """The records of a JSON-array shard, parsed whole once (such files are small: they
+        can only be parsed whole) and shared by its splits while slots read it."""
+        if url not in self._arrays:
+            with self.open(url) as f:
+                try:
+                    records = json.load(f)
+                except ValueError as e:
+                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
+            self._arrays[url] = records
+        return self._arrays[url]
+
+    def position(self, slot):
+        """The line (row, record) of the shard that the slot read last, counted from the
+        shard's start: a split that starts inside it counts the lines before it, once."""
+        url, start = slot["url"], slot["start"]
+        if "index" in slot:
+            return f"record {slot['index']}"
+        if start and (url, start) not in self._bases:
+            def count():
+                return _lines_before(slot, self.open, self.required_fields)
+            self._bases[url, start] = self.retry.run(url, "counting lines", count)
+        line = self._bases.get((url, start), 0) + slot["line"]
+        return f"row {line}" if "row_group" in slot else f"line {line}"
+
+
+
 class Files(Stage):
     """Shards of JSON Lines (.jsonl/.json/.ndjson, plain or .gz/.zst/.bz2/.xz), JSON arrays (a
     .json file holding one array of records, as Alpaca's) or Parquet, on local disk or anywhere
     smart_open reaches (s3://, gs://, https://; ``transport_params`` go to it, e.g.
     ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or ``"parquet"``
     reads shards whose names don't tell.
-
-    **Splits.** The shards are cut into input *splits* (see plan_splits): a whole shard, or a
-    range of one (bytes of a JSON Lines shard, row groups of a Parquet shard, records of a JSON
-    array). A byte range owns the lines that *start* inside it, as Hadoop's line reader does:
-    its reader seeks to the start, skips to the first line start at or after it, and reads
-    through the line that crosses its end, so every line belongs to exactly one split.
 
     **Slots.** The stream is a round-robin over ``n_active_shards`` *slots*, one record from
     each in turn, which mixes documents of different splits without a big shuffle buffer. Slot s
@@ -245,8 +373,9 @@ class Files(Stage):
     stream, naming shard and line, even with ``skip_bad_records``. A ``.txt`` shard is read
     like the Hugging Face ``text`` loader does: a record ``{"text": line}`` per non-blank line.
 
-    The class keeps the books (splits, slots, epochs, state); reading a split is done by the
-    generators below it (_read_lines, _read_row_groups, _read_array), retries by _Retry.
+    The class keeps the books (slots, epochs, state); what the shards are and how they are cut
+    is Shards' (above), reading a split is done by the generators below (_read_lines,
+    _read_row_groups, _read_array), retries by _Retry.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
@@ -256,27 +385,24 @@ class Files(Stage):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
                              f"of world_size={world_size}, so every rank reads whole slots")
-        self.urls, self.format = expand_urls(urls), format
+        self.urls = expand_urls(urls)
         _check_formats(self.urls, format)
         self.repeat, self.shuffle_shards, self.seed = repeat, shuffle_shards, seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: pass at least 1, or None for endless")
         self.epochs = epochs if repeat else 1  # passes over the shards; None: endless
         self.n_slots = n_active_shards
-        self.skip_bad_records, self.required_fields = skip_bad_records, tuple(required_fields)
-        self.check = check
-        self.transport_params = transport_params
+        self.skip_bad_records, self.check = skip_bad_records, check
         self._retry = _Retry(retries, retry_delay)
-        self._kinds, self._arrays, self._bases = {}, {}, {}  # caches, derived from the files
+        self.shards = Shards(self.urls, format=format, transport_params=transport_params,
+                             retry=self._retry, required_fields=required_fields)
         # Splits that own no line (row, record): later epochs pass them without opening them.
         # Derived from the files, never saved.
         self._empty = set()
-        self.plan = self.plan_splits()
-        self.splits = [(url, 0, None) for url in self.urls] if self.plan is None else [
-            (url, *cut) for url, (units, n) in zip(self.urls, self.plan)
-            for cut in (_cuts(units, n) if units is not None else [(0, None)])]
+        self.plan = self.shards.plan(n_active_shards)
+        self.splits = self.shards.cut(self.plan)
         if len(self.splits) < n_active_shards:
-            raise self._too_few_splits(world_size)
+            raise self.shards.too_few_splits(len(self.splits), n_active_shards, world_size)
         self._order = (None, None)  # (epoch, split order) of the last split opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
                        "shuffle_shards": shuffle_shards, "seed": seed,
@@ -296,61 +422,6 @@ class Files(Stage):
 
     # -- splits ----------------------------------------------------------------------------
 
-    def plan_splits(self):
-        """How the shards are cut: None (each shard is one split), or [units, splits] per shard.
-
-        Every slot needs a split of its own in every epoch: a slot without one would read the
-        next epoch's copy of a document beside this epoch's (one file over 8 slots used to give
-        every document 8 times in a row, and ranks past the first nothing to read). With at
-        least as many shards as slots, every shard is one split and no shard is looked at,
-        which matters with thousands of shards in a bucket. With fewer, each shard is measured
-        (a stat, a Parquet footer, a JSON array parsed: fewer than n_slots requests) and they
-        are cut into exactly n_slots splits of about equal bytes: one per slot and epoch, so
-        the slots (and ranks) read equal shares and move through the epochs together. The units
-        are bytes (JSON Lines), row groups (Parquet) or records (JSON array); a compressed JSON
-        Lines shard cannot seek, so it is one split (units None). The plan is a pure function
-        of the shards and n_slots, never of the world size, and it is part of the config: a
-        shard that changed size since the state was saved is refused.
-        """
-        if len(self.urls) >= self.n_slots:
-            return None
-        sizes, units, caps = zip(*(self._measure(url) for url in self.urls))
-        counts = [1] * len(self.urls)
-        for _ in range(self.n_slots - len(self.urls)):
-            # D'Hondt: the next split goes to the shard whose splits are the largest now.
-            growable = [i for i in range(len(counts)) if counts[i] < caps[i]]
-            if not growable:
-                break
-            counts[max(growable, key=lambda i: sizes[i] / counts[i])] += 1
-        return [[u, n] for u, n in zip(units, counts)]
-
-    def _measure(self, url):
-        """(bytes, units to cut into, most splits) of a shard; units None when it cannot be
-        cut. Bytes and records may be cut finer than one per split (some splits are empty)."""
-        kind = self._kind(url)  # (it retries on its own: not inside the retries below)
-
-        def attempt():
-            if kind == "parquet":
-                with self._open(url) as f:
-                    groups = _parquet_file(f, url, self.required_fields).num_row_groups
-                    return f.seek(0, os.SEEK_END), groups, max(1, groups)
-            size = _size(url, self._open)
-            if kind == "array":
-                return size, len(self._array(url)), math.inf
-            return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
-        return self._retry.run(url, "its size", attempt)
-
-    def _too_few_splits(self, world_size):
-        n, most = len(self.splits), len(self.splits) // world_size * world_size
-        fix = (f"pass n_active_shards={most} (train_llm.py: --active-shards {most}), a multiple "
-               f"of the world size {world_size} no larger than {n}" if most else
-               f"that is fewer than the {world_size} ranks: store the data as plain JSON Lines "
-               "(cut at any line), or in more shards or Parquet row groups")
-        return SplitError(
-            f"{len(self.urls)} shard(s) can be cut into only {n} input split(s) (a compressed "
-            "JSON Lines shard cannot be cut, a Parquet shard only between row groups), fewer "
-            f"than the n_active_shards={self.n_slots} slots that must each read one; {fix}.", n)
-
     def _slot(self, pos):
         """A new slot reading the split at position ``pos``, or None past a finite end."""
         epoch, i = divmod(pos, len(self.splits))
@@ -363,7 +434,7 @@ class Files(Stage):
             self._order = (epoch, order)
         url, start, end = self.splits[self._order[1][i]]
         where = {"parquet": {"row_group": start, "row": 0},
-                 "array": {"index": start}}.get(self._kind(url), {"offset": start})
+                 "array": {"index": start}}.get(self.shards.kind(url), {"offset": start})
         return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
                 "records": 0}
 
@@ -420,9 +491,7 @@ class Files(Stage):
             self._files.pop(i)
         else:
             self.slots[i] = following
-        # A JSON array's records are held only while a slot reads it.
-        self._arrays = {url: records for url, records in self._arrays.items()
-                        if any(slot["url"] == url for slot in self.slots)}
+        self.shards.keep_arrays({slot["url"] for slot in self.slots})
         return empty
 
     def _reachable(self):
@@ -441,18 +510,18 @@ class Files(Stage):
             # One long line cut into 8 splits leaves 7 that own no line start; opening each,
             # every epoch, read the rest of that line to find one.
             return None
-        kind = self._kind(slot["url"])
+        kind = self.shards.kind(slot["url"])
         while (item := self._fetch(i)) is not None:
             data, where = item
             slot.update(where)
             if kind in ("jsonl", "text") and not data.strip():
                 continue  # a blank line is not a record
             try:
-                record = _parse(data, kind, self.required_fields, self.check)
+                record = _parse(data, kind, self.shards.required_fields, self.check)
             except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
-                raise DataError(f"shard {slot['url']}, {self._position(slot)}: {e}") from e
+                raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: {e}") from e
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, {self._position(slot)}: bad record: "
+                msg = (f"shard {slot['url']}, {self.shards.position(slot)}: bad record: "
                        f"{type(e).__name__}: {e}")
                 if not self.skip_bad_records:
                     raise DataError(msg + " (skip_bad_records=True, train_llm.py "
@@ -475,7 +544,7 @@ class Files(Stage):
                 self._files[i] = None
                 self._retry.after_fault(e, url, _where(self.slots[i]), 0)
                 first = 1
-        self._kind(url)  # known before the retries, which must not nest
+        self.shards.kind(url)  # known before the retries, which must not nest
 
         def attempt():
             if self._files[i] is None:
@@ -489,12 +558,12 @@ class Files(Stage):
     def _reader(self, slot):
         """A generator of (line or record, where the next one starts) over the slot's split,
         from where the slot is (it reads a copy of the slot, as it was when opened)."""
-        slot, kind = dict(slot), self._kind(slot["url"])
+        slot, kind = dict(slot), self.shards.kind(slot["url"])
         if kind == "parquet":
-            return _read_row_groups(slot, self._open, self.required_fields)
+            return _read_row_groups(slot, self.shards.open, self.shards.required_fields)
         if kind == "array":
-            return _read_array(slot, self._array(slot["url"]))
-        return _read_lines(slot, self._open)  # JSON Lines and text: lines
+            return _read_array(slot, self.shards.array(slot["url"]))
+        return _read_lines(slot, self.shards.open)  # JSON Lines and text: lines
 
     # -- state -----------------------------------------------------------------------------
 
@@ -538,58 +607,6 @@ class Files(Stage):
         other._files = []
         other.load_state_dict(state)  # also checks that the other arguments are ours
         return other
-
-    # -- the shards: how to open them, what kind they are ----------------------------------
-
-    def _open(self, url):
-        params = self.transport_params or {}
-        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
-            params = {"defer_seek": True, **params}
-        return smart_open.open(url, "rb", transport_params=params)
-
-    def _format(self, url):
-        return self.format or shard_format(url)
-
-    def _kind(self, url):
-        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
-        if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
-            return kind
-        if self._format(url) in ("parquet", "text"):
-            self._kinds[url] = self._format(url)
-        else:
-            name = url.split("?")[0]
-            for suffix in _COMPRESSED:
-                name = name.removesuffix(suffix)
-            array = self.format is None and name.endswith(".json") and self._retry.run(
-                url, "its first byte", lambda: _first_byte(url, self._open) == b"[")
-            self._kinds[url] = "array" if array else "jsonl"
-        return self._kinds[url]
-
-    def _array(self, url):
-        """The records of a JSON-array shard, parsed whole once (such files are small: they
-        can only be parsed whole) and shared by its splits while slots read it."""
-        if url not in self._arrays:
-            with self._open(url) as f:
-                try:
-                    records = json.load(f)
-                except ValueError as e:
-                    raise DataError(f"shard {url}: not valid JSON: {e}") from e
-            self._arrays[url] = records
-        return self._arrays[url]
-
-    def _position(self, slot):
-        """The line (row, record) of the shard that the slot read last, counted from the
-        shard's start: a split that starts inside it counts the lines before it, once."""
-        url, start = slot["url"], slot["start"]
-        if "index" in slot:
-            return f"record {slot['index']}"
-        if start and (url, start) not in self._bases:
-            def count():
-                return _lines_before(slot, self._open, self.required_fields)
-            self._bases[url, start] = self._retry.run(url, "counting lines", count)
-        line = self._bases.get((url, start), 0) + slot["line"]
-        return f"row {line}" if "row_group" in slot else f"line {line}"
-
 
 def _check_formats(urls, format):
     """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet),
