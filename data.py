@@ -190,7 +190,7 @@ def expand_urls(urls):
 
 
 class SplitError(ValueError):
-    """The shards cannot be cut into a split for every slot (see Files.plan_splits)."""
+    """The shards cannot be cut into a split for every slot (see Shards.plan)."""
 
     def __init__(self, message, n_splits):
         super().__init__(message)
