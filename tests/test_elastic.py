@@ -14,8 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from test_distributed import (STEPS, args_for, assert_same_weights, consumed, final_model,
-                              loader_states)
+from test_distributed import (
+    STEPS,
+    args_for,
+    assert_same_weights,
+    consumed,
+    final_model,
+    loader_states,
+)
 from test_train import ENV, ROOT, last_step, metrics, resumable_step, wait_for
 
 JOIN_BOUND = 30  # seconds: init_process_group's timeout with --dist-timeout below 30
@@ -78,7 +84,7 @@ def test_torchrun_restarts_each_killed_worker_and_ends_bit_identical(
     print("restarts: killed after", [k for k, _ in kills], "resumed from", resumed,
           "seconds from kill to resume", [round(s, 1) for s in restart_seconds])
     assert max(restart_seconds) < JOIN_BOUND  # none waited for a dead peer
-    for (step, _), old, new in zip(kills, newest, resumed):
+    for old, new in zip(newest, resumed, strict=True):
         assert old <= new and new % 2 == 0, (newest, resumed)
     assert_same_weights(final_model(exp_dir), final_model(two_ranks))
     assert [row["step"] for row in metrics(exp_dir)] == list(range(1, STEPS + 1))
@@ -106,8 +112,9 @@ def test_elastic_membership_finishes_alone_with_every_document_once(
         with open(logs[-1], "wb") as out:
             agents.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
-                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                 "--rdzv-id=elastic-test", "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1",
+                 "--nproc-per-node=1", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+                 "--rdzv-conf=last_call_timeout=5,join_timeout=60,keep_alive_interval=1",
                  "--max-restarts=3", "train_llm.py", *args],
                 cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         if node == 0:  # the first agent hosts the rendezvous store: it must be the survivor

@@ -70,8 +70,9 @@ def run_worlds(p, build, after_reading=lambda pipe, k: None, check_resharded=lam
 }))
 def test_a_mix_with_odm_reshards_every_document_exactly_once(tmp_path_factory, p):
     """2-4 domains, ODM updated once per batch of the cut with the same losses on every rank
-    (as the trainer's all-reduced ones are, and however many batches a rank still had). A Mix ends when its drawn domain runs dry: what the other
-    domains still hold (prefetched, shuffled, chunked) is read out after it."""
+    (as the trainer's all-reduced ones are, and however many batches a rank still had). A Mix
+    ends when its drawn domain runs dry: what the other domains still hold (prefetched,
+    shuffled, chunked) is read out after it."""
     root = tmp_path_factory.mktemp("domains")
     n_docs = 0
     for d, sizes in enumerate(p["domains"]):
@@ -142,7 +143,7 @@ def test_sft_samples_reshard_exactly_once_packed_or_padded(tmp_path_factory, p):
         try:
             pipe = train_llm.source(urls, args, rank, world, True, TOKENIZER)
         except SystemExit:  # fewer records than slots: refused at start, as by the trainer
-            raise data.SplitError("too few", 1)
+            raise data.SplitError("too few", 1) from None
         pipe = data.Pad(data.FormatInstructions(pipe, TOKENIZER), p["length"], pad_id=0)
         return data.Batch(data.Shuffle(pipe, p["shuffle"], seed=p["seed"]), 1)
 
