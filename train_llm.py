@@ -174,17 +174,12 @@ def main():
 
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             stats = train_step(model, batches, ctx, timers, len(domains))
-            # torch.full fills on the device: no host-to-device copy, no wait for the GPU.
-            stats["stop"] = torch.full((), float(stop.is_set()), device=ctx.device)
             log_step = step % args.log_freq == 0 or step == args.max_steps
-            if log_step:  # bad records skipped so far, on all ranks (summed below)
-                stats["skipped"] = torch.full((), float(utils.skipped_records(
-                    train_loader.state_dict())), device=ctx.device)
+            stats |= rank_flags(stop, log_step, train_loader, ctx)
             with timers["update"]:
                 # One all-reduce, and one wait for the GPU, for all the step's numbers: loss,
                 # gradient norm (the same on every rank: rank 0's is added), per-domain sums,
-                # skipped records, and whether a rank got a signal (all ranks stop where any of
-                # them saw one).
+                # and the flags (all ranks stop where any of them saw a signal).
                 norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                  args.grad_clip))
                 stats["grad_norm"] = norm if ctx.rank == 0 else torch.zeros_like(norm)
@@ -1030,6 +1025,17 @@ def train_step(model, batches, ctx, timers, n_domains=0):
                                ("sequences", torch.ones_like(counts))):
                 stats[f"domain_{key}"].index_add_(0, index, value.float())
     return stats
+
+
+def rank_flags(stop, log_step, loader, ctx):
+    """What this rank adds to the step's all-reduce besides its losses: whether it got a
+    signal, and on a logging step the bad records it has skipped so far (the sum is the
+    run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
+    flags = {"stop": torch.full((), float(stop.is_set()), device=ctx.device)}
+    if log_step:
+        skipped = utils.skipped_records(loader.state_dict())
+        flags["skipped"] = torch.full((), float(skipped), device=ctx.device)
+    return flags
 
 
 def scored_tokens(batch):
