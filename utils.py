@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import copy
 import ctypes
+import errno
 import fcntl
 import gc
 import glob
@@ -631,7 +632,8 @@ class DirectFile:
     buffer (os.write lets go of the GIL) while the other fills. O_DIRECT wants aligned
     addresses, sizes and offsets, so writes gather in the buffers, the last block is padded
     with zeros and the file truncated back. ``DirectFile.open`` falls back to an ordinary
-    file where O_DIRECT is refused (tmpfs, macOS).
+    file where O_DIRECT is refused (tmpfs, macOS); a write refused for its alignment clears
+    O_DIRECT and goes on through the page cache.
     """
 
     BLOCK, CHUNK = 4096, 8 << 20
@@ -667,7 +669,15 @@ class DirectFile:
     def _write_out(self, buffer, n):
         view = memoryview(buffer)[:n]
         while view:  # a short write is followed by one that raises (a full disk, say)
-            view = view[os.write(self.fd, view):]
+            try:
+                view = view[os.write(self.fd, view):]
+            except OSError as e:
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                    raise
+                # A file system that opens with O_DIRECT but wants other alignments (some
+                # network and parallel ones): the rest goes through the page cache.
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
     def _wait(self):
         """Wait for the helper's write; raise its error."""

@@ -101,6 +101,28 @@ def test_a_failed_background_write_is_raised_in_the_training_thread():
         writer.wait()
 
 
+@pytest.mark.parametrize("refused_from", [0, 2])
+def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch,
+                                                                     refused_from):
+    """O_DIRECT accepted at open but its writes refused (EINVAL), from the first write or the
+    third: the file is written whole through the page cache, and loads equal."""
+    import fcntl
+    import os
+    real_write, calls = os.write, []
+
+    def write(fd, data):
+        calls.append(fd)
+        if len(calls) > refused_from and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)
+    monkeypatch.setattr(os, "write", write)
+    tensors = {"w": torch.randn(5 << 20), "b": torch.arange(5)}  # 20 MB: 2 chunks and a tail
+    utils._write_file(tmp_path / "t.pt", lambda f: utils.save_tensors(tensors, f))
+    loaded = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert len(calls) > refused_from + 1
+
+
 def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_optimizer):
     model, optimizer = model_and_optimizer
     for sync in (True, False):
