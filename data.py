@@ -1552,8 +1552,11 @@ class Pad(Stage):
 # Batching and prefetching: collate, Batch, Prefetch
 # ----------------------------------------------------------------------------------------------
 
-def collate(samples):
-    """Stacks the tensors of a list of samples; other fields become lists."""
+def collate(samples, pin_memory=False):
+    """Stacks the tensors of a list of samples, and makes one tensor of each field of numbers
+    (Mix's "domain"); other fields become lists. ``pin_memory``: the tensors go to page-locked
+    memory, from which a GPU copies them without making the host wait
+    (``.to(device, non_blocking=True)``)."""
     out = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
@@ -1563,18 +1566,24 @@ def collate(samples):
                 raise ValueError(f"cannot stack {key!r}: samples have shapes {sorted(shapes)}; "
                                  "chunk or pad to one length before Batch")
             out[key] = torch.stack(values)
+        elif isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
+            out[key] = torch.tensor(values)
         else:
             out[key] = values
+    if pin_memory:
+        out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     return out
 
 
 class Batch(Stage):
-    """Groups ``batch_size`` samples into one (see collate). The last batch may be short
-    unless ``drop_last``. A batch is built within one next(), so no partial batch outlives it.
+    """Groups ``batch_size`` samples into one (see collate; ``pin_memory`` too). The last batch
+    may be short unless ``drop_last``. A batch is built within one next(), so no partial batch
+    outlives it.
     """
 
-    def __init__(self, src, batch_size, *, drop_last=False):
+    def __init__(self, src, batch_size, *, drop_last=False, pin_memory=False):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
+        self.pin_memory = pin_memory
         # No batch_size: Batch keeps no state, so a resumed run may group samples otherwise.
         self.config = {"drop_last": drop_last}
 
@@ -1587,7 +1596,7 @@ class Batch(Stage):
                 break
         if not samples or (self.drop_last and len(samples) < self.batch_size):
             raise StopIteration
-        return collate(samples)
+        return collate(samples, self.pin_memory)
 
 
 class Prefetch(Stage):
@@ -1597,12 +1606,10 @@ class Prefetch(Stage):
     produced, and state_dict() returns the state of the last item handed out: items still in
     the queue at a checkpoint are simply produced again after a resume. The thread is a
     daemon, so an abandoned pipeline never keeps the interpreter alive; close() stops it.
-    ``pin_memory``: the thread copies a batch's tensors into page-locked memory, from which a
-    GPU copies them asynchronously (``.to(device, non_blocking=True)``).
     """
 
-    def __init__(self, src, depth=2, pin_memory=False):
-        self.src, self.depth, self.pin_memory = src, depth, pin_memory
+    def __init__(self, src, depth=2):
+        self.src, self.depth = src, depth
         self._queue = queue.Queue(maxsize=depth)
         self._thread = None
         self._stop = threading.Event()
@@ -1613,9 +1620,6 @@ class Prefetch(Stage):
         try:
             while not self._stop.is_set():
                 item = next(self.src)
-                if self.pin_memory and isinstance(item, dict):
-                    item = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
-                            for k, v in item.items()}
                 self._queue.put((item, self.src.state_dict(), None))
         except Exception as e:  # StopIteration included: it ends the stream downstream too
             self._queue.put((None, None, e))

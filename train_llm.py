@@ -411,6 +411,9 @@ class Context(NamedTuple):
     world_size: int
     device: torch.device
     distributed: bool  # a process group exists (several ranks, or --fsdp)
+    # Where flags that live on the CPU meet (utils.all_ranks): a gloo group beside NCCL, so that
+    # agreeing on them never waits for the GPU. None: the default group (gloo already).
+    cpu_group: object = None
 
     def autocast(self):
         # A GPU runs matmuls in bf16 while weights and optimizer state stay float32 (mixed
@@ -454,8 +457,9 @@ def init_distributed(args, rank, world_size):
         # The first step may be slow on some rank (compiling, loading): until it is done,
         # collectives wait long (the timeout drops to --dist-timeout after it).
         utils.set_collective_timeout(datetime.timedelta(minutes=30))
+    cpu_group = dist.new_group(backend="gloo") if distributed and device.type == "cuda" else None
     LOGGER.info(f"Training on {device}, world size {world_size}")
-    return Context(rank, world_size, device, distributed)
+    return Context(rank, world_size, device, distributed, cpu_group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,11 +622,12 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
                  for name, pattern in domains.items()}
         pipe = data.Mix({name: data.Prefetch(p) for name, p in pipes.items()}, weights,
                         seed=args.seed, mixer=mixer)
-        return data.Batch(pipe, args.batch_size, drop_last=True)
+        return data.Batch(pipe, args.batch_size, drop_last=True, pin_memory=pin_memory)
     pipe = sequences(urls, tokenizer, args, rank, world_size, train)
-    pipe = data.Batch(pipe, args.batch_size, drop_last=True)
-    # A whole step's micro-batches ready ahead, in pinned memory for asynchronous copies.
-    return data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=pin_memory) if train else pipe
+    # In pinned memory, so that copies to the GPU do not make the training thread wait.
+    pipe = data.Batch(pipe, args.batch_size, drop_last=True, pin_memory=pin_memory)
+    # A whole step's micro-batches ready ahead.
+    return data.Prefetch(pipe, depth=args.grad_accum + 1) if train else pipe
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
@@ -755,7 +760,8 @@ def validation_batches(args, tokenizer, domains, rank):
     for i, urls in enumerate(val_sets.values() if domains else [args.val_dataset]):
         pipeline = build_pipeline(urls, tokenizer, args, 0, 1, train=False)
         for batch in data.Take(pipeline, args.val_batches):
-            batches.append(batch | ({"domain": [i] * args.batch_size} if domains else {}))
+            batches.append(batch | ({"domain": torch.full((len(batch["input_ids"]),), i)}
+                                    if domains else {}))
         pipeline.close()
     wanted = args.val_batches * max(1, len(domains))
     if not batches:
@@ -951,7 +957,7 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
     """
     left = None not in batches
     if args.epochs and ctx.world_size > 1:
-        left = utils.all_ranks(left, ctx.device)
+        left = utils.all_ranks(left, ctx.cpu_group)
     if not left and step == 1:
         loader.close()
         tokens = ctx.world_size * args.grad_accum * args.batch_size * args.seq_length
@@ -973,7 +979,7 @@ def refuse_untrainable(batches, tokenizer, args, ctx, loader):
                for b in batches]
     learnable = any((~torch.isin(t[t != -100], special)).any() for t in targets)
     if ctx.world_size > 1:
-        learnable = not utils.all_ranks(not learnable, ctx.device)  # any rank has some
+        learnable = not utils.all_ranks(not learnable, ctx.cpu_group)  # any rank has some
     if not learnable:
         loader.close()
         sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
@@ -1020,7 +1026,7 @@ def train_step(model, batches, ctx, timers, n_domains=0):
                 loss.backward()
         stats["loss"] += loss.detach() / ctx.world_size
         if n_domains:
-            index = torch.tensor(batch["domain"], device=ctx.device)
+            index = batch["domain"].to(ctx.device, non_blocking=True)  # a copy, no wait
             for key, value in (("loss", sums.detach()), ("tokens", counts),
                                ("sequences", torch.ones_like(counts))):
                 stats[f"domain_{key}"].index_add_(0, index, value.float())
@@ -1079,8 +1085,9 @@ def sequence_losses(logits, targets):
     a mean over tokens, or over a domain's sequences, is made of.
     """
     targets = next_token_targets(targets)
-    token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                 reduction="none").view(targets.shape)[:, :-1]  # last: 0
+    # F.cross_entropy(..., reduction="none") without float32 copies of all the logits.
+    token_loss = utils.cross_entropy(logits.flatten(0, 1),
+                                     targets.flatten()).view(targets.shape)[:, :-1]  # last: 0
     return token_loss.sum(dim=1), (targets != -100).sum(dim=1)
 
 
@@ -1169,7 +1176,7 @@ def evaluate(model, batches, ctx, n_domains=0):
         if i < len(batches):
             total[:, 0] += torch.stack([sums.sum(), counts.sum().float()])
             if n_domains:
-                index = torch.tensor(batch["domain"], device=ctx.device) + 1
+                index = batch["domain"].to(ctx.device, non_blocking=True) + 1
                 total[0].index_add_(0, index, sums.float())
                 total[1].index_add_(0, index, counts.float())
     if world_size > 1:

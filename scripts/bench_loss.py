@@ -1,0 +1,84 @@
+"""Peak memory of the loss at GPT-2's vocabulary: F.cross_entropy (the kit's loss before) vs
+utils.cross_entropy (a float32 chunk of rows at a time), forward and backward, on the CPU.
+
+    python scripts/bench_loss.py                      # 8 x 1024 tokens, vocabulary 50,257
+    python scripts/bench_loss.py --tokens 16384 --dtypes bfloat16
+
+Each case runs in a fresh process. Its peak is the growth of the process's peak resident set
+size (ru_maxrss) over the resident set once the logits exist, so it counts what the loss adds:
+its float32 copies and the logits' gradient. float32 logits are the CPU kit's (no autocast);
+bfloat16 logits are what a GPU's autocast gives the loss. Both cases check that loss and
+gradient agree with F.cross_entropy's.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def case(kind, dtype, tokens, vocab):
+    """One forward and backward of the loss; prints a JSON line of what it measured."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.nn.functional as F
+
+    import utils
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, vocab, generator=generator, dtype=getattr(torch, dtype))
+    logits.requires_grad_()
+    targets = torch.randint(vocab, (tokens,), generator=generator)
+    targets[::7] = -100  # prompt tokens, padding
+    loss_of = {"F.cross_entropy": lambda x: F.cross_entropy(x.float(), targets, reduction="none"),
+               "utils.cross_entropy": lambda x: utils.cross_entropy(x, targets)}[kind]
+    before = rss_bytes()
+    start = time.perf_counter()
+    loss = loss_of(logits)
+    loss.sum().backward()
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    check = F.cross_entropy(logits[:256].detach().float().requires_grad_(), targets[:256],
+                            reduction="none")
+    print(json.dumps({"peak_mib": peak / MiB, "seconds": seconds,
+                      "loss_diff": (loss[:256] - check).abs().max().item(),
+                      "logits_mib": logits.numel() * logits.element_size() / MiB}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8 * 1024)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # a worker process
+    args = parser.parse_args()
+    if args.case:
+        return case(*args.case, args.tokens, args.vocab)
+    print(f"{args.tokens} tokens x vocabulary {args.vocab}: what the loss adds to the peak")
+    print(f"{'logits':9} {'loss':20} {'peak MiB':>9} {'seconds':>8} {'x logits':>9}")
+    for dtype in args.dtypes:
+        peaks = {}
+        for kind in ("F.cross_entropy", "utils.cross_entropy"):
+            out = subprocess.run([sys.executable, __file__, "--case", kind, dtype,
+                                  "--tokens", str(args.tokens), "--vocab", str(args.vocab)],
+                                 capture_output=True, text=True, check=True)
+            found = json.loads(out.stdout)
+            peaks[kind] = found["peak_mib"]
+            assert found["loss_diff"] < 1e-4, found
+            print(f"{dtype:9} {kind:20} {found['peak_mib']:9.0f} {found['seconds']:8.2f} "
+                  f"{found['peak_mib'] / found['logits_mib']:9.2f}")
+        print(f"{dtype:9} {'ratio':20} {peaks['utils.cross_entropy'] / peaks['F.cross_entropy']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
