@@ -144,7 +144,8 @@ def main():
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]))
-    timers = {name: utils.Timer(ctx.device) for name in ("data", "forward", "backward", "update")}
+    timers = {name: utils.Timer(ctx.device, name) for name in ("data", "forward", "backward",
+                                                               "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
     peak_flops = utils.peak_flops(ctx.device)
@@ -1019,8 +1020,8 @@ def train_step(model, batches, ctx, timers, n_domains=0):
                 logits, targets = forward(model, batch, ctx.device)
                 sums, counts = sequence_losses(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
-            # Backward needs no logits ([batch, seq, vocab], the largest activation):
-            # dropping our reference lets them be freed before backward's peak.
+            # The logits ([batch, seq, vocab], the largest activation) are needed only by the
+            # loss's backward, which runs first: without our reference they go right after.
             del logits
             with timers["backward"]:
                 loss.backward()

@@ -48,14 +48,17 @@ class Timer:
     reads the time between them on the GPU's own clock, waiting for the GPU once per log
     interval instead of twice per block (a synchronize would stop the CPU from running ahead).
     A block that only waits on the CPU (the data fetch) then measures how long the GPU stood
-    idle for it, which is the cost that matters.
+    idle for it, which is the cost that matters. Each block is also a range named ``name`` in
+    a --profile-steps trace (scripts/trace_summary.py adds them up).
     """
 
-    def __init__(self, device):
+    def __init__(self, device, name="timer"):
         self.cuda = device.type == "cuda"
         self.total, self.pairs = 0.0, []  # CUDA: (start, end) events not yet added up
+        self.range = torch.profiler.record_function(name)
 
     def __enter__(self):
+        self.range.__enter__()
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -71,6 +74,7 @@ class Timer:
                 self._add_up(wait=False)
         else:
             self.total += time.perf_counter() - self.start
+        self.range.__exit__(*exc)
 
     def _add_up(self, wait=True):
         """Add the timed pairs to the total: all of them (waiting for the GPU to get there), or
@@ -249,6 +253,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
+    @torch.profiler.record_function("cross_entropy")  # a range of its own in a profile
     def forward(ctx, logits, targets, rows):
         lse = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
         picked = torch.empty_like(lse)
@@ -262,6 +267,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (lse - picked).masked_fill_(targets == -100, 0)
 
     @staticmethod
+    @torch.profiler.record_function("cross_entropy_backward")
     def backward(ctx, grad):
         logits, targets, lse = ctx.saved_tensors
         grad = grad.masked_fill(targets == -100, 0)

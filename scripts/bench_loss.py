@@ -77,7 +77,8 @@ def main():
             assert found["loss_diff"] < 1e-4, found
             print(f"{dtype:9} {kind:20} {found['peak_mib']:9.0f} {found['seconds']:8.2f} "
                   f"{found['peak_mib'] / found['logits_mib']:9.2f}")
-        print(f"{dtype:9} {'ratio':20} {peaks['utils.cross_entropy'] / peaks['F.cross_entropy']:9.2f}")
+        ratio = peaks["utils.cross_entropy"] / peaks["F.cross_entropy"]
+        print(f"{dtype:9} {'ratio':20} {ratio:9.2f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from host_waits import HostWaits
 from test_train import ENV, ROOT, train_args
 

@@ -367,12 +367,12 @@ def test_a_state_json_without_a_state_resumes_from_the_newest_checkpoint(
 
 
 def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
-    """The first forward pass runs out of memory (as a too large --batch-size does on a GPU):
+    """The first backward pass runs out of memory (as a too large --batch-size does on a GPU):
     one paragraph with the way on, no traceback."""
     code = ("import runpy, sys, torch\n"
             "def oom(*a, **k):\n"
             "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
-            "torch.nn.functional.cross_entropy = oom\n"
+            "torch.Tensor.backward = oom\n"
             "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
             "runpy.run_path('train_llm.py', run_name='__main__')\n")
     result = subprocess.run([sys.executable, "-c", code,
