@@ -56,10 +56,6 @@ def test_one_wait_per_step_with_odm(tmp_path, tiny_model):
     assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, odm="exp3"))
 
 
-def test_one_wait_per_step_for_sft(tmp_path, tiny_model):
-    assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, task="sft", seq_length=64))
-
-
 def test_one_wait_per_step_on_two_ranks_with_epochs(tmp_path, tiny_model):
     """--epochs on 2 ranks: whether every rank still has data is agreed on the CPU."""
     assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, ranks=2, epochs=3))
