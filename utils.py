@@ -249,7 +249,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     log-probabilities for backward, whose gradient is float32 too: [N, V] float32 tensors are
     the largest of the step (GPT-2, 16 x 1024 tokens: 3.3 GB each). Here only one chunk of rows
     is float32 at a time. Forward keeps the logits in their own dtype and each row's
-    log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0.
+    log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0; other
+    targets must be valid class ids (no check here, unlike F.cross_entropy's).
     """
 
     @staticmethod

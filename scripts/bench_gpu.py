@@ -12,8 +12,8 @@ what nvidia-smi shows, is higher), or the process's peak RSS on a CPU.
 --cases: eager, compiled (--compile), torchrun (one rank under torchrun: NCCL), fsdp (the same
 with --fsdp); eager and compiled also run on random tokens. --before DIR runs every case with
 the kit checked out in DIR too (a `git worktree` of an older commit), for a before/after table
-from one run. --profile DIR records the last two steps of each case on the kit's data (left out of
-the averages, with the log interval they fall in), writes their traces to DIR and prints
+from one run. --profile DIR records two steps near the end of each case on the kit's data (left out
+of the averages, with the log interval they fall in), writes their traces to DIR and prints
 scripts/trace_summary.py's summary of each. With eager and compiled
 both run, their losses over the first 20 steps are compared (the same data and weights: they
 differ only by bf16 rounding).
@@ -147,9 +147,9 @@ def run_all(args, tmp):
               "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--val-batches", "1",
               "--sample-tokens", "0", "--wandb", "disabled", "--warmup-steps", "10",
               *(["--device", args.device] if args.device else []), *args.extra.split()]
-    # The last two steps, and the one before for the profiler's warm-up: with --profile every
-    # case's averages end before them, at the last log line of an unprofiled step.
-    profiled = args.steps - 1
+    # The two steps before the last (which validates and saves), and the one before them for
+    # the profiler's warm-up: with --profile every case's averages end before them.
+    profiled = args.steps - 2
     last_timed = (profiled - 2) // args.log_freq * args.log_freq if args.profile else None
     kits = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
     rows = []

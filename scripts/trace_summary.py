@@ -3,11 +3,10 @@
     python scripts/trace_summary.py RUN/profile/rank0-steps30-31.json
 
 Per step: the training loop's named ranges (data, forward, backward, update: utils.Timer;
-cross_entropy and its backward: utils.cross_entropy). On a GPU trace they are timed on the
-GPU (from the first to the last kernel launched inside each), and the summary adds how busy
-the GPU was, its idle gaps, the kernels that took the most time, the attention kernels (flash
-or not), and the host's waits for the GPU (synchronizing CUDA calls). On a CPU trace the
-ranges are timed on the CPU. Open the trace itself in https://ui.perfetto.dev for the rest.
+cross_entropy and its backward: utils.cross_entropy), timed on the CPU. On a GPU trace the
+summary adds how busy the GPU was, its idle gaps, the kernels that took the most time, the
+attention kernels (flash or not), and the host's waits for the GPU (synchronizing CUDA
+calls). Open the trace itself in https://ui.perfetto.dev for the rest.
 """
 
 import argparse
@@ -43,11 +42,12 @@ def summarize(trace):
     n = max(1, len(steps))
     kernels = by_cat["kernel"]
     on_gpu = bool(kernels)
-    ranges = by_cat["gpu_user_annotation"] if on_gpu else [
-        e for e in by_cat["user_annotation"] if not e["name"].startswith("ProfilerStep#")]
+    # The ranges on the CPU's clock: on the GPU, a range that launches nothing (data) has no
+    # span, and backward's kernels are launched from autograd's own thread.
+    ranges = [e for e in by_cat["user_annotation"] if not e["name"].startswith("ProfilerStep#")]
     step_ms = sum(e["dur"] for e in steps) / n / 1000
-    lines = [f"{len(steps)} step(s), {step_ms:.2f} ms each on the CPU's clock; the ranges per "
-             f"step, timed on the {'GPU' if on_gpu else 'CPU'}:"]
+    lines = [f"{len(steps)} step(s), {step_ms:.2f} ms each; the ranges per step, on the CPU's "
+             "clock (on a GPU: the time to queue their work, or to wait for it):"]
     totals = collections.Counter()
     for e in ranges:
         totals[e["name"]] += e["dur"]

@@ -349,8 +349,8 @@ def test_init_from_pretrained_starts_from_the_saved_weights(tiny_model, tmp_path
 
 
 def test_trace_summary_of_a_gpu_trace():
-    """A made-up GPU trace of 2 steps: the GPU's busy share and gaps, the attention kernels and
-    the host's waits, per step."""
+    """A made-up GPU trace of 2 steps: the loop's ranges (CPU clock), the GPU's busy share and
+    gaps, the attention kernels and the host's waits, per step."""
     def event(cat, name, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
     trace = {"traceEvents": [
@@ -360,13 +360,16 @@ def test_trace_summary_of_a_gpu_trace():
         event("kernel", "flash_fwd_kernel", 200, 100),  # a gap of 50 us before it
         event("kernel", "ampere_gemm", 1000, 100),  # 700 us idle before it
         event("kernel", "flash_fwd_kernel", 1110, 100),  # 10 us: no gap
+        event("user_annotation", "forward", 10, 300),
+        event("user_annotation", "forward", 700, 210),
+        event("gpu_user_annotation", "ProfilerStep#0", 0, 300),  # not a range of the loop
         event("gpu_user_annotation", "forward", 0, 300),
-        event("gpu_user_annotation", "forward", 1000, 210),
         event("cuda_runtime", "cudaStreamSynchronize", 400, 30),
         event("cuda_runtime", "cudaLaunchKernel", 410, 5),  # not a wait
     ]}
     summary = "\n".join(trace_summary.summarize(trace))
     assert "forward                                   0.26 ms" in summary  # 510 us / 2 steps
+    assert "ProfilerStep" not in summary
     busy = (150 + 100 + 100 + 100) / 1210
     assert (f"GPU busy {busy:.1%} of 0.60 ms per step; 1 gaps over 20 us per step, 0.38 ms"
             in summary)
