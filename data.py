@@ -24,6 +24,8 @@ The file reads top to bottom in the order a sample meets the stages:
     Batching, prefetching   collate, Batch, Prefetch
     Mixing domains          OnlineMixer, Mix
     Resharding              reshard: the states of W ranks loaded into one of W' ranks
+    The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
+                            domain_weights, check_validation, skipped_records, source_epoch
     Other stages            Map, Filter, Take, Stride, Chunk: not in train_llm.py's pipelines
                             (it only cuts validation short with Take)
 """
@@ -43,6 +45,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import braceexpand
 import pyarrow
@@ -1837,6 +1840,155 @@ class Resharding:
         if self.rank >= len(olds):
             rng.seed(f"{rng.getrandbits(64)}-{self.rank}")
         return _rng_to_json(rng)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's wiring: source, sft_format, find_domains, domain_weights, check_validation, and
+# reading a pipeline's state (skipped_records, source_epoch)
+# ----------------------------------------------------------------------------------------------
+
+def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, sft=False,
+           tokenizer=None, skip_bad_records=False, format=None):
+    """The documents of a --dataset: shards of JSONL/Parquet/text (paths, globs, {a,b}
+    patterns, directories, s3:// gs:// https:// URLs) go to Files; a directory made by
+    save_to_disk, or a Hugging Face Hub name, to HFDataset. NAME:SPLIT picks a split (default:
+    train, or validation where not ``train``). Training reads endlessly (or ``epochs``
+    passes) in a seeded order; otherwise once, in order.
+
+    The global document order is a round-robin over ``slots`` slots, each reading its own
+    input splits (a shard, or a piece of one). Rank r of W reads only slots r, r + W, ...:
+    documents r, r + W, ... of that order, and nothing it would throw away. Data that cannot
+    be cut into ``slots`` splits is refused for training, read in fewer slots otherwise.
+    """
+    required = [] if sft else ["text"]
+    local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
+    name, split = spec, ""
+    if not local and "://" not in spec and ":" in spec:
+        name, _, split = spec.rpartition(":")
+    split = split or ("train" if train else "validation")
+    saved = any(os.path.exists(os.path.join(name, f))  # what save_to_disk writes
+                for f in ("dataset_info.json", "dataset_dict.json"))
+    if not saved and (local or "://" in spec or shard_format(name)):
+        if slots % world_size:
+            raise DataError(f"--active-shards {slots} is not a multiple of the world size "
+                            f"{world_size}: every rank reads whole slots. Pass a multiple of "
+                            "it (and keep it on resume: it shapes the data order).")
+        check = Tokenize.check_record  # checked in Files, where shard and line are known
+        if sft:  # (with the tokenizer: has it the chat template 'messages' need?)
+            check = (FormatInstructions(None, tokenizer).check if tokenizer else
+                     FormatInstructions.check_record)
+        try:
+            return Files(spec, repeat=train, epochs=epochs, shuffle_shards=train, seed=seed,
+                         rank=rank, world_size=world_size, required_fields=required,
+                         check=check, skip_bad_records=skip_bad_records, format=format,
+                         n_active_shards=slots)
+        except SplitError as e:
+            if train:
+                raise DataError(f"--dataset {spec}: {e}") from e
+            return source(spec, train=False, rank=rank, world_size=world_size,
+                          slots=e.n_splits, sft=sft, tokenizer=tokenizer,
+                          skip_bad_records=skip_bad_records, format=format)
+    import datasets  # here, not at the top: only these sources need the library
+    import datasets.distributed
+    try:
+        if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
+            dataset = datasets.load_from_disk(name)
+            if isinstance(dataset, datasets.DatasetDict):
+                dataset = dataset[split]
+        else:  # streamed from the Hub as it trains; the pipeline's Shuffle shuffles it
+            dataset = datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as e:  # a typo'd local path lands here too: say both readings
+        raise DataError(f"{spec!r} is no local file, pattern or URL, and reading it as a "
+                        f"Hugging Face dataset (split {split!r}) failed: "
+                        f"{type(e).__name__}: {e}") from e
+    if world_size > 1:  # whole shards per rank where they divide evenly, else every W-th row
+        dataset = datasets.distributed.split_dataset_by_node(dataset, rank, world_size)
+    return HFDataset(dataset, repeat=train, epochs=epochs, required_fields=required,
+                     shuffle=train and saved, seed=seed)
+
+
+def sft_format(spec, format=None, skip_bad_records=False):
+    """"chat" if the records of ``spec`` are conversations ('messages', laid out by the
+    tokenizer's chat template), else "instruction" (instruction/output): its first tells."""
+    first = source(spec, train=True, slots=1, sft=True, format=format,
+                   skip_bad_records=skip_bad_records)
+    try:
+        record = next(first, {})
+    finally:
+        first.close()
+    return "chat" if "messages" in record else "instruction"
+
+
+def find_domains(pattern, like=None):
+    """{domain: its shards}: the directories that the first * of ``pattern`` stands for, so
+    "data/sample/*/train-*.jsonl" has the domains code, docstrings, prose and reference.
+    ``like``: the domains (of the training data) that these must be."""
+    root, _, rest = pattern.partition("/*/")
+    if not rest:
+        raise DataError(f"--mix/--odm need domains as directories: a --dataset like "
+                        f"root/*/shards, not {pattern!r}")
+    names = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and any(p.glob(rest)))
+    if not names:
+        raise DataError(f"--mix/--odm: no directory of {root}/ holds files matching {rest!r}, "
+                        f"so {pattern!r} has no domains to mix.")
+    if like is not None and names != list(like):
+        raise DataError(f"--val-dataset has the domains {names}, --dataset {list(like)}")
+    return {name: f"{root}/{name}/{rest}" for name in names}
+
+
+def domain_weights(domains, given=None):
+    """The mixture's initial weights in the order of ``domains``, summing to 1: ``given``
+    ({domain: weight >= 0}, every domain once), or uniform."""
+    if given is None:
+        return [1 / len(domains)] * len(domains)
+    unknown = set(given) - set(domains)
+    if unknown or len(given) != len(domains):
+        raise DataError(f"--mix {','.join(f'{k}={v:g}' for k, v in given.items())}: give a "
+                        f"weight to each domain of {domains}; unknown: {sorted(unknown)}")
+    total = sum(given.values())
+    return [given[name] / total for name in domains]
+
+
+def check_validation(batches, wanted, train_spec, val_spec, warn=True):
+    """Refuse a validation set of no batch; warn (``warn``: on one rank) about fewer than
+    ``wanted``, and about shards shared with the training data."""
+    if not batches:
+        raise DataError(f"--val-dataset {val_spec} has less than one batch of tokens.")
+    if not warn:
+        return
+    if len(batches) < wanted:
+        log.warning(f"--val-dataset holds only {len(batches)} batches of the {wanted} asked "
+                    "for: validating on those")
+    try:
+        train_urls, val_urls = expand_urls(train_spec), expand_urls(val_spec)
+    except OSError:  # not shards (a Hub name): nothing to compare
+        return
+    if not all(map(shard_format, train_urls + val_urls)):
+        return  # a Hub name, or a save_to_disk directory: Files does not read them
+    shared = set(train_urls) & set(val_urls)
+    if shared:  # a validation loss measured on training data says nothing
+        log.warning(f"{len(shared)} shard(s) are in both --dataset and --val-dataset (e.g. "
+                    f"{sorted(shared)[0]}): the validation loss will look better than it is")
+
+
+def skipped_records(loader_state):
+    """Bad records skipped so far (Files' "skipped"), summed over a pipeline's sources."""
+    if isinstance(loader_state, list):  # Mix: one state per domain
+        return sum(map(skipped_records, loader_state))
+    if not isinstance(loader_state, dict):
+        return 0
+    return loader_state.get("skipped", 0) + skipped_records(loader_state.get("upstream"))
+
+
+def source_epoch(loader_state):
+    """The epoch (pass over the training shards) that a pipeline's source is in; with several
+    domains (Mix), the smallest."""
+    upstream = loader_state.get("upstream")
+    if upstream is None:
+        return loader_state["epoch"]
+    if isinstance(upstream, list):
+        return min(source_epoch(state) for state in upstream)
+    return source_epoch(upstream)
 
 
 # ----------------------------------------------------------------------------------------------

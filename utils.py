@@ -1,25 +1,39 @@
-"""Helpers for train_llm.py: timing, garbage collection, memory, MFU, profiling, checkpoint files
-(written in place or in the background), exports, and generating text from a trained model.
+"""The machinery behind train_llm.py: what keeps a run safe and measures it. Nothing here
+decides how training goes (that is the script's), and nothing here imports the script: a run
+records its script's path, and the model is rebuilt from it (load_trained).
 
-Nothing here decides how training goes; it measures it, moves bytes to and from disk, or
-uses what a run made.
+    Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
+    The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
+                         resume, args.json), MetricsLog, the loop's refusals, cli
+    Measuring            Timer, GarbageCollection, memory, MFU, the profiler, cross_entropy
+    Distributed          joining the process group, gradient sync, all-reduces
+    RNGs, models         RNG states; unwrap, check_model, load_trained/rebuild_model, export
+                         (save_hf), generate
+    Checkpoints          save_checkpoint and read_checkpoint (what the script calls), then the
+                         bytes: write_checkpoint, DirectFile, Staging, BackgroundWriter,
+                         run_state (where a run resumes from), discard_after
 """
 
+import argparse
 import concurrent.futures
 import contextlib
 import copy
 import ctypes
+import datetime
 import errno
 import fcntl
 import gc
 import glob
+import importlib.util
 import json
+import logging
 import math
 import mmap
 import os
 import pickle
 import random
 import resource
+import shlex
 import shutil
 import signal
 import sys
@@ -32,12 +46,513 @@ from pathlib import Path
 import braceexpand
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+import tqdm
 from torch.distributed.checkpoint import CheckpointException
 
 import data
 
 GiB = 2**30
 KIT = Path(__file__).resolve().parent  # where the kit and its shipped assets are
+LOGGER = logging.getLogger("train_llm")
+LOG_FORMAT = "[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s"
+# For train.log alone: how a run failed, which the console shows in its own way.
+FILE_LOG = logging.getLogger("train_llm.file")
+FILE_LOG.propagate = False
+FILE_LOG.addHandler(logging.NullHandler())
+RUN = None  # the Run this process opened: what cli() tells, or cleans up, when a start fails
+
+
+# ----------------------------------------------------------------------------------------------
+# Flags: argparse types (each checks one flag as it is parsed) and check_args
+# ----------------------------------------------------------------------------------------------
+
+def at_least(low):
+    """An argparse type: an int >= low (0 steps or 0 sequences mean nothing)."""
+    def integer(text):
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return integer
+
+
+def finite(low, above=False):
+    """An argparse type: a finite float >= low (> low with ``above``)."""
+    def number(text):
+        value = float(text)
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if above else '>='} {low:g}, got {text}")
+        return value
+    return number
+
+
+def step_range(text):
+    """--profile-steps FIRST,LAST: two step numbers, 1 <= FIRST <= LAST (kept as text)."""
+    first, comma, last = text.partition(",")
+    try:
+        first, last = int(first), int(last)
+    except ValueError:
+        first = last = None
+    if not comma or first is None or not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIRST,LAST with 1 <= FIRST <= "
+                                         "LAST, e.g. 10,12")
+    return text
+
+
+def torch_device(text):
+    """--device: a torch device that exists here (a typo or a missing GPU fails at once)."""
+    try:
+        value = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from e
+    if value.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA GPU that torch "
+                                         "can use; leave --device out to train on the CPU")
+    if value.type == "cuda" and (value.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
+                                         "GPU(s)")
+    return text
+
+
+def parse_mix(text):
+    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
+    weights = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        try:
+            weight = float(value) if equals and name else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
+        weights[name] = weight
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
+    return weights
+
+
+def mix_weights(text):
+    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint)."""
+    parse_mix(text)
+    return text
+
+
+# The flags whose defaults are files shipped next to the script (assets/, data/).
+SHIPPED = ("tokenizer", "model_name", "dataset", "val_dataset")
+
+
+def check_args(parser, args, local_paths, shipped):
+    """What no single flag's type can check, before anything is written: the shipped files that
+    a copy of the kit lacks (all named in one paragraph), the run directory, flags against
+    each other. Local paths of ``local_paths`` become absolute: a run records where its files
+    are, so that it resumes, and generate.py finds its tokenizer, from any directory."""
+    missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
+               and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
+               and not _matches(getattr(args, name))]
+    if missing:
+        flags = ", ".join(f"--{name.replace('_', '-')} ({getattr(args, name)})" for name in missing)
+        sys.exit(f"The defaults of {', '.join('--' + n.replace('_', '-') for n in missing)} are "
+                 f"files shipped with the kit, and {shipped} lacks them: {flags}. Pass each of "
+                 "these flags (a local path, or a Hugging Face Hub name), or copy the kit's "
+                 "assets/ and data/ next to the script. Nothing was written.")
+    for name in local_paths:
+        setattr(args, name, local_path(getattr(args, name)))
+    save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
+    exp_dir = Path(os.path.normpath(save_dir / args.experiment_name))
+    if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
+        parser.error(f"--experiment-name {args.experiment_name!r} must name a directory inside "
+                     f"--save-dir {args.save_dir}: the run writes (and deletes its own old "
+                     "checkpoints) there")
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
+                     "from --lr down to --min-lr")
+    if args.global_batch_size:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        per_micro_step = world_size * args.batch_size
+        accum, left = divmod(args.global_batch_size, per_micro_step)
+        if left or args.grad_accum not in (1, accum):
+            parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                         f"world size x --batch-size = {world_size} x {args.batch_size} = "
+                         f"{per_micro_step}: --grad-accum follows from it (leave it out). Pick "
+                         f"a --batch-size that divides {args.global_batch_size} / {world_size} "
+                         "on every world size the run may see.")
+        args.grad_accum = accum
+
+
+def _matches(value):
+    """Whether a local path, glob or {a,b} pattern names any file."""
+    return any(os.path.exists(v) or glob.glob(v) for v in braceexpand.braceexpand(value))
+
+
+# ----------------------------------------------------------------------------------------------
+# The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs, cli
+# ----------------------------------------------------------------------------------------------
+
+class Run:
+    """A run directory as this start sees it: ``dir``; ``state``, the run state (step, tokens,
+    the checkpoint to resume from, the config fingerprint, the script that trains it), which
+    goes into state.json and every checkpoint; and ``created``, the directories this start
+    made (a start that fails before training removes them: cli)."""
+
+    def __init__(self, exp_dir, rank, created, lock_file):
+        self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
+        self.state, self.training, self.first_step = None, False, 0
+
+    def begin_training(self, args, world_size):
+        """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
+        debris of unfinished saves), so that metrics.jsonl holds every step once, and record
+        this start in args.json. From here on a failure keeps the directory."""
+        if self.rank == 0:
+            discard_after(self.dir, self.state["global_step"])
+            record_args(self.dir / "args.json", args, world_size)
+            if args.resume_from:  # state.json must not name a checkpoint just discarded
+                write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
+        self.state["world_size"] = world_size
+        self.training, self.first_step = True, self.state["global_step"]
+
+
+def open_run(args, parser, fingerprint, rank, world_size, script):
+    """The Run to train (fresh, or resumed from its checkpoint), or None if it is done.
+
+    Rank 0 makes the directory, locks it for as long as the process lives (a second run there
+    would overwrite this one's checkpoints) and logs into its train.log. A run resumes iff its
+    directory holds a complete checkpoint (run_state), with the flags of ``fingerprint`` it was
+    started with (check_unchanged): checked first, so a refusal or "done" costs nothing, and
+    every rank decides alike. A done run whose hf/ is missing or stale is exported again.
+    ``script``: the training script, recorded so that its create_model rebuilds the model.
+    """
+    global RUN
+    logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
+                        level=logging.INFO if rank == 0 else logging.WARNING)
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    created, lock_file = [], None
+    if rank == 0:
+        created = [p for p in (exp_dir, *exp_dir.parents) if not p.exists()]
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        lock_file = lock(exp_dir)
+        log_to_file(exp_dir / "train.log", rank)
+    RUN = run = Run(exp_dir, rank, created, lock_file)
+    LOGGER.info(args)
+    if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
+        die_with_parent()
+    config = {name: getattr(args, name) for name in fingerprint}
+    config["global_batch"] = args.batch_size * args.grad_accum * world_size
+    state, why = run_state(exp_dir, args.resume_from)
+    if state is None:
+        LOGGER.info(f"Starting {exp_dir} from scratch")
+        if args.task == "sft":  # the prompt layout follows the data (prompt_format)
+            config["prompt_format"] = data.sft_format(args.dataset, args.data_format,
+                                                      args.skip_bad_records)
+        state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
+                 "wandb_run_id": None, "config": config, "domain_tokens": {}}
+    else:
+        # The checkpoint carries the config it was saved with: one copied in from another
+        # run (or another run's directory) is refused like a changed flag.
+        check_unchanged(args, parser, fingerprint, config, state["config"],
+                        f"{exp_dir} was started", world_size)
+        own = exp_dir / state["checkpoint"] / "state.json"
+        if own.exists():
+            check_unchanged(args, parser, fingerprint, config,
+                            json.loads(own.read_text())["config"],
+                            f"{state['checkpoint']} was saved", world_size)
+        if is_done(args, exp_dir, state, why):
+            if rank == 0:
+                export_again_if_stale(exp_dir, state["checkpoint"])
+            return None
+    state["script"] = str(Path(script).resolve())
+    run.state = state
+    return run
+
+
+def is_done(args, exp_dir, state, why):
+    """Whether a run that resumes has nothing left to train (it says so), else it says where
+    it resumes from."""
+    where = f"{state['checkpoint']}{f' ({why})' if why else ''}"
+    if state.get("data_exhausted"):
+        LOGGER.info(f"{exp_dir} is done: its data ran out at step {state['global_step']} "
+                    f"({where}) after --epochs {args.epochs} passes. --epochs is part of the "
+                    "run and cannot change on resume: train on in a new --experiment-name.")
+    elif state["global_step"] >= args.max_steps:
+        LOGGER.info(f"{exp_dir} is done: step {state['global_step']} of --max-steps "
+                    f"{args.max_steps} ({where}). Raise --max-steps to train further.")
+    else:
+        LOGGER.info(f"Resuming {exp_dir} from {where}, step {state['global_step']} of "
+                    f"{args.max_steps}")
+        return False
+    return True
+
+
+def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
+    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
+    A local path that an earlier version recorded as typed (relative) counts as unchanged if
+    it names the same files: the run then keeps its old spelling. A flag of the fingerprint
+    that ``saved`` lacks (added to the script after the run started) counts as its default."""
+    saved = {name: parser.get_default(name) for name in fingerprint} | saved
+    for name, value in saved.items():
+        if name == "prompt_format":  # found in the data, which --dataset already pins
+            continue
+        if isinstance(value, str) and local_path(value) == config.get(name) != value:
+            setattr(args, name, value)
+            config[name] = value
+        if config.get(name) == value:
+            continue
+        if name == "global_batch":
+            sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
+                     f"{value} sequences when {when} and is {config[name]} now "
+                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pass "
+                     f"--global-batch-size {value} (it sets --grad-accum from the world size, "
+                     "and an elastic torchrun restarts the same command), or pick --batch-size "
+                     "and --grad-accum so that it stays the same, or start a new "
+                     "--experiment-name.")
+        sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
+                 f"{config.get(name)!r} now. Resuming would train a different run: pass "
+                 "the old value, or start a new --experiment-name.")
+
+
+def export_again_if_stale(exp_dir, checkpoint):
+    """A finished run whose hf/ is missing, half-written or of an older checkpoint (a kill or a
+    full disk during the export at its end) is exported from its last checkpoint."""
+    if export_is_current(exp_dir / "hf", checkpoint):
+        return
+    model, tokenizer, config = load_trained(exp_dir / checkpoint)
+    if not hasattr(model, "save_pretrained"):  # a model of your own: nothing to export
+        return
+    LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
+                "again")
+    save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint, owned=True)
+    LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
+
+
+def log_to_file(path, rank):
+    """Everything logged also goes to ``path`` (appended across resumes), and so does the
+    traceback of a failure that the console shows as one paragraph (cli)."""
+    handler = QuietFileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
+    logging.getLogger().addHandler(handler)
+    FILE_LOG.addHandler(handler)
+
+
+class QuietFileHandler(logging.FileHandler):
+    """A log file that, once it cannot be written (a full disk), says so in one line and is
+    skipped from then on, instead of printing a traceback for every record it drops: the
+    console still has every line, and the failure that follows gets its own paragraph."""
+
+    def handleError(self, record):
+        if self.stream is not None:
+            sys.stderr.write(f"(cannot write {self.baseFilename} any more; logging to the "
+                             f"console only: {sys.exc_info()[1]})\n")
+        self.setLevel(logging.CRITICAL + 1)
+        stream, self.stream = self.stream, None  # what emit() finds: no stream (and level)
+        if stream is not None:
+            with contextlib.suppress(OSError):  # closing flushes, which fails again
+                stream.close()
+
+
+def record_args(path, args, world_size):
+    """Append this start's full arguments to args.json, and what changed since the last one
+    (--max-steps raised on resume, say): a run's history of how it was called."""
+    starts = json.loads(path.read_text()) if path.exists() else []
+    now = {**vars(args), "world_size": world_size}
+    before = starts[-1]["args"] if starts else now
+    starts.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "command": shlex.join(sys.argv), "args": now,
+                   "changed": {k: [before.get(k), v] for k, v in now.items()
+                               if before.get(k) != v}})
+    write_atomic(path, json.dumps(starts, indent=2))
+
+
+class MetricsLog:
+    """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, the
+    progress bar, and a log line when there is more than the loss to say. Remove wandb here
+    and only here."""
+
+    def __init__(self, exp_dir, args, state, rank):
+        self.file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
+        self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
+                                  desc="train", disable=rank != 0)
+        self.wandb = None
+        if rank == 0 and args.wandb != "disabled":
+            import wandb  # here, not at the top: a second of start-up that most tests skip
+            self.wandb = wandb
+            # The run id is kept in state.json, so a resumed run continues the same curve.
+            # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
+            state["wandb_run_id"] = wandb.init(
+                project=args.wandb_project, name=args.experiment_name, id=state["wandb_run_id"],
+                resume="allow", dir=exp_dir, config=vars(args), mode=args.wandb).id
+
+    def write(self, metrics):
+        if self.file:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+        if self.wandb:
+            self.wandb.log(metrics, step=metrics["step"])
+        if "tokens_per_s" in metrics or "val_loss" in metrics:
+            LOGGER.info(format_metrics(metrics))
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+
+    def rewrite_last(self, metrics):
+        """The last step's line again, now with more in it (a late validation)."""
+        if self.file:
+            rewrite_last_line(self.file, json.dumps(metrics))
+        if self.wandb:
+            self.wandb.log(metrics, step=metrics["step"])
+        LOGGER.info(format_metrics(metrics))
+
+    def close(self):
+        self.progress.close()
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def stop_on_signals():
+    """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
+    step in flight finishes, a checkpoint is saved, and the process exits 0. A second signal
+    kills at once, which is safe too: the last complete checkpoint stays loadable. (torchrun
+    forwards SIGTERM to every rank; the ranks agree on stopping at the same step.)"""
+    stop = threading.Event()
+
+    def request_stop(signum, frame):
+        LOGGER.warning(f"{signal.Signals(signum).name}: saving a checkpoint after this step")
+        stop.set()
+        signal.signal(signum, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    return stop
+
+
+def data_left(batches, step, args, ctx, loader, tokenizer):
+    """Whether every rank got its micro-batches for this step (only --epochs ends the data).
+
+    With finite data ranks run out at different steps (their shards differ); all stop
+    together, or the others would wait forever in the next all-reduce. A new run's first step
+    must hold something to train on: no data at all, or only special tokens, is refused.
+    """
+    left = None not in batches
+    if args.epochs and ctx.world_size > 1:
+        left = all_ranks(left, ctx.cpu_group)
+    if not left and step == 1:
+        loader.close()
+        tokens = ctx.world_size * args.grad_accum * args.batch_size * args.seq_length
+        sys.exit(f"The data ran out before the first step: --dataset {args.dataset} holds fewer "
+                 f"than the {tokens:,} tokens of one step ({args.batch_size} x {args.grad_accum} x "
+                 f"{ctx.world_size} sequences of {args.seq_length} tokens) per pass (--epochs "
+                 f"{args.epochs}). Use more data, more --epochs, or a smaller "
+                 "--batch-size/--seq-length.")
+    if not left:
+        LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
+    elif step == 1:  # empty documents would train on BOS and EOS alone, for ever
+        refuse_untrainable(batches, tokenizer, args, ctx, loader)
+    return left
+
+
+def refuse_untrainable(batches, tokenizer, args, ctx, loader):
+    """End a new run whose first step scores nothing but special tokens: its documents are
+    empty ("text": ""), or their field holds nothing the tokenizer keeps."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    targets = [b["labels"] if "labels" in b else b["input_ids"] for b in batches]
+    scored = [t[:, 1:][t[:, 1:] != -100] for t in targets]  # each token's next one
+    learnable = any((~torch.isin(t, special)).any() for t in scored)
+    if ctx.world_size > 1:
+        learnable = not all_ranks(not learnable, ctx.cpu_group)  # any rank has some
+    if not learnable:
+        loader.close()
+        sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
+                 f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
+                 f"--dataset {args.dataset} are empty, or their text is not where the kit "
+                 "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
+                 "or (--task sft) --seq-length cuts every answer off.")
+
+
+def stop_if_diverged(stats, step, run, loader, writer):
+    """End the run, without a checkpoint, at a loss or gradient norm that is not finite: the
+    weights are about to be garbage, and the last good checkpoint stays the one to go on from."""
+    loss, grad_norm = stats["loss"], stats["grad_norm"]
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    loader.close()
+    writer.wait()  # the last good checkpoint may still be being written
+    sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
+             f"checkpoint (the weights are about to be garbage); the last good one is "
+             f"{run.state['checkpoint']}. Lower --lr or raise --warmup-steps.")
+
+
+def past_first_step(step, run, args, ctx):
+    """After this start's first step, which may be slow on some rank (compiling, loading),
+    collectives wait at most --dist-timeout: a hung rank then fails fast."""
+    if step == run.first_step + 1 and ctx.distributed:
+        set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
+
+
+# Failures a user can mend (bad data, a missing or unreadable file, a full disk) end in one
+# paragraph; anything else is a bug and keeps its traceback.
+EXPECTED = (data.DataError, OSError)
+
+
+def cli(main):
+    """Run ``main``: a failure the user can mend ends in one paragraph (expected_failure), a
+    bug keeps its traceback, and train.log gets both. A start that fails before training
+    leaves no run directory that was not there before."""
+    try:
+        main()
+    except SystemExit as e:  # a refusal (its paragraph) or a plain exit
+        if isinstance(e.code, str):
+            FILE_LOG.error(e.code)
+        if e.code:
+            forget_failed_start()
+        raise
+    except BaseException as e:  # (BaseException: Ctrl-C before training has begun too)
+        message = expected_failure(e)
+        FILE_LOG.error(message or "Failed", exc_info=True)
+        forget_failed_start()
+        if message is None or "--debug" in sys.argv[1:]:
+            raise
+        sys.exit(message)
+
+
+def expected_failure(error):
+    """The paragraph that ends a run on a failure the user can mend, or None for a bug (which
+    keeps its traceback): bad data, a missing or unreadable file, a full disk, no memory."""
+    kept = not (RUN is None or (RUN.created and not RUN.training))
+    if not kept:
+        stopped = "Stopped before training began; nothing was kept"
+    elif RUN.state and RUN.state["checkpoint"]:
+        stopped = "Stopped; the last checkpoint is untouched"
+    else:
+        stopped = "Stopped before the first checkpoint"
+    if isinstance(error, EXPECTED):
+        where = "--debug, or rank 0's train.log," if kept else "--debug"
+        return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
+                "from.)")
+    # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
+        return (f"Out of memory: {str(error).strip().splitlines()[-1][:300]}\n({stopped}. "
+                "Halve --batch-size and double --grad-accum: the global batch, and so the "
+                "run, stays the same. Or pass --activation-checkpointing, or a smaller "
+                "--seq-length.)")
+    return None
+
+
+def forget_failed_start():
+    """Remove the directories that a start which failed before training made (it wrote only
+    its train.log and lock there): a mistyped flag leaves nothing behind."""
+    if RUN is not None and RUN.created and not RUN.training:
+        shutil.rmtree(RUN.created[-1], ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring: time, garbage collection, memory, MFU, the profiler
+# ----------------------------------------------------------------------------------------------
+
 
 
 class Timer:
@@ -214,14 +729,16 @@ def flops_per_token(model, seq_length):
     return 6 * n + 12 * config.num_hidden_layers * heads * head_dim * seq_length
 
 
-def profiler(spec, trace_dir, rank, device, next_step):
+def profiler(spec, run_dir, rank, device, global_step):
     """A torch.profiler over optimizer steps FIRST..LAST (``spec`` = "FIRST,LAST").
 
     Use as ``with profiler(...) as prof:`` and call ``prof.step()`` at the end of every step.
-    It writes one Chrome trace per rank (open it in https://ui.perfetto.dev). ``next_step``
-    is the first step this process runs: the profiler counts steps from where it starts.
-    Without a spec, or when those steps are behind us, it is a no-op.
+    It writes one Chrome trace per rank into run_dir/profile (open it in
+    https://ui.perfetto.dev). ``global_step``: the step this process starts after (the
+    profiler counts steps from where it starts). Without a spec, or when those steps are
+    behind us, it is a no-op.
     """
+    trace_dir, next_step = Path(run_dir) / "profile", global_step + 1
     first, last = map(int, spec.split(",")) if spec else (0, -1)
     if first > last or first < next_step:
         return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
@@ -374,8 +891,13 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def join_process_group(backend, rank, world_size, timeout, device_id=None):
+def join_process_group(backend, rank, world_size, dist_timeout, device):
     """torch.distributed.init_process_group, in a namespace of this start's own under torchrun.
+
+    A bounded join: a rank that cannot reach the others (one died while the group was forming)
+    fails within ``dist_timeout`` seconds (30 at least), not NCCL's or gloo's default 10 or 30
+    minutes, so that torchrun restarts the group instead of the job hanging. Until the first
+    step is done collectives wait 30 minutes (past_first_step shortens it).
 
     Why: torchrun's agent keeps one TCPStore for every restart of its worker group, and the
     keys a group leaves there (each rank's address, for the gloo/NCCL connection) outlive it.
@@ -386,8 +908,19 @@ def join_process_group(backend, rank, world_size, timeout, device_id=None):
     MASTER_ADDR/MASTER_PORT launch): the usual env:// rendezvous.
     """
     env = os.environ
+    if "MASTER_ADDR" not in env:
+        sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
+    timeout = datetime.timedelta(seconds=max(dist_timeout, 30))
+    device_id = device if device.type == "cuda" else None
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return torch.distributed.init_process_group(backend, timeout=timeout, device_id=device_id)
+        torch.distributed.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        _join_under_prefix(backend, rank, world_size, timeout, device_id)
+    set_collective_timeout(datetime.timedelta(minutes=30))
+
+
+def _join_under_prefix(backend, rank, world_size, timeout, device_id):
+    env = os.environ
     store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
                                        is_master=False, timeout=timeout)
     prefix = f"train_llm/restart-{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/world-{world_size}"
@@ -435,6 +968,37 @@ def set_rng_state(state):
 # Checkpoint files (layout: DESIGN.md section 3)
 # ----------------------------------------------------------------------------------------------
 
+def unwrap(model):
+    """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
+        else model
+
+
+def check_model(model, tokenizer, args):
+    """What the tokenizer, --seq-length and the flags need of the model, checked before any
+    training; a model of your own (create_model) is told what needs transformers."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False  # training never reads a KV cache: none is built
+    vocab = getattr(config, "vocab_size", None)
+    if vocab and len(tokenizer) > vocab:
+        sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only {vocab} "
+                 "embeddings: pick a matching --model-name.")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and args.seq_length > positions:
+        sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
+                 f"of --model-name {args.model_name}")
+    if hasattr(model, "save_pretrained"):  # a transformers model
+        return
+    if args.activation_checkpointing:
+        sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
+                 f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
+                 "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
+    LOGGER.info(f"{type(model).__name__} is no transformers model: no hf/ export when the run "
+                "ends (its checkpoints hold its weights; generate.py and --init-from rebuild it "
+                "with create_model)")
+
+
 def local_path(value):
     """``value`` as an absolute path if it names local files (a path, a glob or {a,b} pattern
     that matches something), else unchanged (a Hub name, a URL, None)."""
@@ -471,7 +1035,8 @@ def checkpoint_weights(ckpt_dir):
 def load_trained(path):
     """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
     directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
-    as a run's hf/) or a Hub name. The model is float32, on the CPU."""
+    as a run's hf/) or a Hub name. The model is float32, on the CPU. A checkpoint's model is
+    built by the create_model of the script that trained the run (rebuild_model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
@@ -481,23 +1046,53 @@ def load_trained(path):
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
     ckpt_dir = find_checkpoint(path)
-    config = json.loads((ckpt_dir / "state.json").read_text())["config"]
+    saved = json.loads((ckpt_dir / "state.json").read_text())
+    config = saved["config"]
     if config.get("init_from"):  # the architecture of the model it started from
-        model = load_trained(kit_path(config["init_from"]))[0]
-    else:  # built as the run built it, from the arguments it recorded
-        import train_llm  # (here: train_llm imports this module)
-        args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
-        model = train_llm.create_model(types.SimpleNamespace(**args))
+        model, script = load_trained(kit_path(config["init_from"]))[0], config["init_from"]
+    else:  # (a run of a version that did not record its script: the kit's own)
+        script = saved.get("script") or str(KIT / "train_llm.py")
+        model = rebuild_model(script, config, ckpt_dir)
     try:
         weights = checkpoint_weights(ckpt_dir)
-        model.load_state_dict(weights)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError,
-            CheckpointException) as e:  # (dcp's, a BaseException)
+    except LOAD_ERRORS as e:
         name = "model.pt" if (ckpt_dir / "model.pt").exists() else "dcp"
         advice = " Pass it instead." if older_checkpoint(ckpt_dir) else ""
         raise OSError(damaged(ckpt_dir, ckpt_dir / name, e) + advice) from e
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:  # the weights loaded: the model built is another one
+        raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
+                      f"that create_model of {script} builds now ({_first_line(e)}). The "
+                      "checkpoint is not damaged: put back the create_model that trained "
+                      "it.") from e
     tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
     return model, tokenizer, config
+
+
+def rebuild_model(script, config, ckpt_dir):
+    """The model of a run, fresh: built by create_model of ``script`` (the training script
+    the run recorded, under any name and in any directory) from the flags the run recorded."""
+    if not Path(script).is_file():
+        raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
+                      "builds the model these weights belong to. Put the script back there, or "
+                      "build the model yourself and load model.pt into it with "
+                      "torch.load(..., weights_only=True).")
+    module = load_script(script)
+    args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
+    return module.create_model(types.SimpleNamespace(**args))
+
+
+def load_script(script):
+    """A training script as a module of its own (its main() does not run), found by path: a
+    copy of the kit's script under another name works, and so do modules next to it."""
+    path = Path(script).resolve()
+    if str(path.parent) not in sys.path:  # its neighbours (a module with the model, say)
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_training_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def damaged(ckpt_dir, path, error):
@@ -819,7 +1414,167 @@ def _step_dirs(exp_dir):
     return {int(d.name[5:]): d for d in dirs if d.name[5:].isdigit()}
 
 
-def save_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
+# The per-rank files of a checkpoint (DESIGN.md section 3).
+RNG_FILE, LOADER_FILE = "rng-rank{}.pt", "loader-rank{}.json"
+
+
+def checkpoint_writer(mode, ctx):
+    """What writes the checkpoints (--checkpoint-writer): a background thread (BackgroundWriter),
+    or the training thread itself (sync). auto: the background on a GPU, whose training thread
+    mostly waits for the GPU, and sync on a CPU, whose training threads use every core: there a
+    writer can only take its CPU time from them (README, "Checkpoints off the training path").
+    Under torchrun the writer's barriers run on a gloo group of their own: collectives from
+    another thread must not interleave with the training loop's on the default group."""
+    group = None
+    if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
+        group = torch.distributed.new_group(backend="gloo",
+                                            timeout=datetime.timedelta(minutes=30))
+    sync = mode == "sync" or (mode == "auto" and ctx.device.type != "cuda")
+    return BackgroundWriter(sync=sync, group=group, log=LOGGER.info,
+                            pin_memory=ctx.device.type == "cuda")
+
+
+def save_checkpoint(run, files, writer, keep, rank):
+    """Save this rank's ``files`` ({name: object}) as checkpoints/step-NNNNNN of the run's
+    current step and point state.json at it, through ``writer`` (in the background, or here):
+    write_checkpoint keeps the order that survives a kill at any instant. A value "dcp" is a
+    state dict that every rank writes its shards of (torch.distributed.checkpoint). If this
+    step's checkpoint exists already (the data ran out right after a save), only state.json is
+    rewritten."""
+    state = run.state
+    step, name = state["global_step"], f"checkpoints/step-{state['global_step']:06d}"
+    if state["checkpoint"] == name:
+        writer.wait()  # (that save may still be writing its own state.json)
+        if rank == 0:
+            write_atomic(run.dir / "state.json", json.dumps(state, indent=2))
+        return
+    if LOADER_FILE.format(rank) in files:
+        state["epoch"] = data.source_epoch(files[LOADER_FILE.format(rank)])
+    saved = json.loads(json.dumps(state))  # as of this step: the loop goes on changing `state`
+
+    def write(files):  # (in the writer's thread)
+        if "dcp" in files:
+            shards = files.pop("dcp")
+            files["dcp"] = lambda path: dcp.save(shards, checkpoint_id=path,
+                                                 process_group=writer.group)
+        write_checkpoint(run.dir, step, files, saved, keep=keep, rank=rank,
+                         barrier=writer.barrier)
+
+    writer.submit(name, write, files)
+    state["checkpoint"] = name  # complete once the writer is done (writer.wait)
+
+
+class read_checkpoint:  # noqa: N801 (used as a context, like open())
+    """The files of the checkpoint a run resumes from: ``with read_checkpoint(run, ctx) as
+    ckpt:`` then ``ckpt.load(name)``, ``ckpt.path(name)``, ``ckpt.load_loader(loader)``,
+    ``ckpt.load_rng()``. A file that does not load ends the run in one paragraph that names it
+    and the older checkpoint to go on from; a file that loads but does not fit the model is
+    said to be that, never damage; a loader state of other data arguments names the flag."""
+
+    def __init__(self, run, ctx):
+        self.run, self.ctx = run, ctx
+        self.dir = run.dir / run.state["checkpoint"]
+        self.name, self.loaded = None, False
+
+    def path(self, name):
+        self.name, self.loaded = name, False
+        return self.dir / name
+
+    def load(self, name, device=None):
+        obj = load(self.path(name), device or self.ctx.device)
+        self.loaded = True  # what fails from here on is the object it goes into
+        return obj
+
+    def load_loader(self, loader):
+        """This rank's loader state; on another number of ranks, the states of all the ranks
+        that saved, merged by data.reshard (no document skipped or repeated)."""
+        saved_world, ctx = self.run.state.get("world_size", 1), self.ctx
+        states = [json.loads(self.path(LOADER_FILE.format(r)).read_text())
+                  for r in ([ctx.rank] if saved_world == ctx.world_size else range(saved_world))]
+        self.loaded = True
+        if saved_world == ctx.world_size:  # (a changed --batch-size is fine: Batch has no state)
+            return loader.load_state_dict(states[0])
+        try:
+            report = data.reshard(loader, states)
+        except data.ConfigMismatch:
+            raise  # __exit__ names the flag
+        except ValueError as e:
+            sys.exit(f"Cannot resume on {ctx.world_size} ranks what {saved_world} saved: {e}")
+        LOGGER.info(f"Data of {saved_world} rank(s) moved to {ctx.world_size}: no document "
+                    f"skipped or repeated; {report}")
+
+    def load_rng(self):
+        """This rank's RNG states (a rank that did not exist when it was saved: rank 0's)."""
+        name = RNG_FILE.format(self.ctx.rank)
+        return self.load(name if (self.dir / name).exists() else RNG_FILE.format(0), "cpu")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, data.ConfigMismatch):  # not damage: a flag that shapes the data
+            sys.exit(f"Cannot resume from {self.dir}: its loader state was made with other "
+                     f"data arguments. {error} (In train_llm.py flags: max_chars is "
+                     "--max-doc-chars, 0 for None; n_active_shards is --active-shards; urls "
+                     "and split_plan come from --dataset and the files it names.)")
+        if isinstance(error, data.DataError) or not isinstance(error, LOAD_ERRORS):
+            return False
+        if self.loaded and self.name.endswith(".pt"):  # the file is fine; the model differs
+            sys.exit(f"Cannot resume from {self.dir}: {self.name} loads, but does not fit what "
+                     f"this script built ({type(error).__name__}: {_first_line(error)}). The "
+                     "checkpoint is not damaged and nothing was changed: resume with the "
+                     "create_model (and flags) that trained it, or start a new "
+                     "--experiment-name.")
+        sys.exit(damaged_checkpoint(self.dir, self.dir / self.name, error))
+
+
+# What a checkpoint file that does not load raises (dcp's is a BaseException).
+LOAD_ERRORS = (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError,
+               CheckpointException)
+
+
+def _first_line(error):
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
+
+
+def damaged_checkpoint(ckpt_dir, path, error):
+    """The paragraph for a checkpoint that does not load: which file, and the command that
+    resumes from the older complete checkpoint, if there is one."""
+    text, older = damaged(ckpt_dir, path, error), older_checkpoint(ckpt_dir)
+    if older is None:
+        return text + " Start a new --experiment-name."
+    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
+            and sys.argv[i - 1] != "--resume-from"]
+    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
+        if "LOCAL_RANK" in os.environ else ["python"]
+    command = shlex.join([*launcher, sys.argv[0], *argv, "--resume-from", older.name])
+    return text + f" Resume from it (this discards what was logged after it) with:\n  {command}"
+
+
+def export_hf(model, tokenizer, run, ctx):
+    """The run's model in the Hugging Face layout (safetensors) with its tokenizer, as the
+    run's hf/, so that AutoModelForCausalLM.from_pretrained works anywhere: written when a run
+    ends, from the weights of its last checkpoint; ``train_llm.json`` beside it records the
+    run's config. With FSDP every rank takes part in gathering the full weights; rank 0
+    writes them. A model of your own (create_model) has no such layout: its checkpoints are
+    its export."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    if not hasattr(unwrap(model), "save_pretrained"):
+        return
+    weights = None
+    if isinstance(model, FSDPModule):  # the full weights, gathered from every rank's shards
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+    if ctx.rank == 0:
+        save_hf(run.dir / "hf", unwrap(model), tokenizer, run.state["config"], weights,
+                checkpoint=run.state["checkpoint"], owned=True)
+        LOGGER.info(f"Exported the model for transformers: {run.dir / 'hf'}")
+    if ctx.distributed:
+        torch.distributed.barrier()
+
+
+def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
     """Write ``files`` ({name: object}) as checkpoints/step-NNNNNN, point state.json at it,
     then delete all but the newest ``keep`` checkpoints.
 
@@ -1081,15 +1836,6 @@ def discard_after(exp_dir, step):
         write_atomic(metrics, "".join(kept))
 
 
-def skipped_records(loader_state):
-    """Bad records skipped so far (Files' "skipped"), summed over a pipeline's sources."""
-    if isinstance(loader_state, list):  # Mix: one state per domain
-        return sum(map(skipped_records, loader_state))
-    if not isinstance(loader_state, dict):
-        return 0
-    return loader_state.get("skipped", 0) + skipped_records(loader_state.get("upstream"))
-
-
 def rewrite_last_line(f, line):
     """Replace the last line of a text file open for appending (metrics.jsonl)."""
     f.flush()
@@ -1104,14 +1850,3 @@ def rewrite_last_line(f, line):
         g.seek(start)
         g.truncate()
         g.write(line.encode() + b"\n")
-
-
-def source_epoch(loader_state):
-    """The epoch (pass over the training shards) that a pipeline's source is in; with several
-    domains (Mix), the smallest."""
-    upstream = loader_state.get("upstream")
-    if upstream is None:
-        return loader_state["epoch"]
-    if isinstance(upstream, list):
-        return min(source_epoch(state) for state in upstream)
-    return source_epoch(upstream)

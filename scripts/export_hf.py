@@ -1,5 +1,7 @@
 """Export a checkpoint of a train_llm.py run in the Hugging Face layout (safetensors weights,
-config and tokenizer), for transformers, vLLM, llama.cpp's converters and the rest.
+config and tokenizer), for transformers, vLLM, llama.cpp's converters and the rest. A run of a
+copy of the kit (the script renamed, its create_model changed) works too: the model is rebuilt
+by the script the run recorded.
 
     python scripts/export_hf.py outputs/demo --out demo-hf
     python scripts/export_hf.py outputs/demo --checkpoint outputs/demo/checkpoints/step-000400 \
@@ -31,10 +33,10 @@ def main():
     source = args.checkpoint or args.run_dir
     model, tokenizer, config = utils.load_trained(source)
     if not isinstance(model, transformers.PreTrainedModel):
-        sys.exit(f"{source} trained {type(model).__name__}, a model of its own "
-                 "(train_llm.create_model), not a transformers one: there is no Hugging Face "
-                 "layout to write. Its checkpoints are its export: build the model with "
-                 "create_model and load model.pt with torch.load(..., weights_only=True).")
+        sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
+                 "create_model of its training script), not a transformers one: there is no "
+                 "Hugging Face layout to write. Its checkpoints are its export: build the model "
+                 "with create_model and load model.pt with torch.load(..., weights_only=True).")
     if (source / "config.json").exists():  # already Hugging Face files: re-exported as they are
         checkpoint = source
     else:

@@ -1,5 +1,6 @@
 """Continue a prompt with a trained model: a run directory (its newest checkpoint, no export
-needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name.
+needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name. A run
+of any copy of the kit works: its model is rebuilt by the training script the run recorded.
 
     python scripts/generate.py outputs/demo --prompt "The river"
     python scripts/generate.py outputs/demo-sft --prompt "Name three colors." --max-new-tokens 60

@@ -1,6 +1,9 @@
 import json
 import os
+import shutil
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,8 @@ from transformers import PreTrainedTokenizerFast
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# One thread each: faster for a model this small, and the same float sums in every process.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 WORDS = ["<bos>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
 
 
@@ -20,6 +25,69 @@ def toy_tokenizer(same_bos_eos=False):
     eos = "<bos>" if same_bos_eos else "<eos>"
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token=eos,
                                    unk_token="<unk>", name_or_path="toy")
+
+
+def train_args(save_dir, model, name="run", **overrides):
+    """train_llm.py's flags for a run of a few seconds: 32-token sequences, 30 steps."""
+    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
+            "seq-length": 32, "batch-size": 4, "max-steps": 30, "lr": 1e-2,
+            "warmup-steps": 5, "log-freq": 5, "val-freq": 10, "val-batches": 2,
+            "ckpt-freq": 10, "wandb": "disabled", "tokenizer-threads": 1}
+    args.update({key.replace("_", "-"): value for key, value in overrides.items()})
+    return [f"--{key}={value}" for key, value in args.items()]
+
+
+def metrics(exp_dir):
+    return [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_step(exp_dir):
+    """The last step metrics.jsonl holds a whole line for (a resumed run first cuts the
+    file back to its checkpoint, so this can go down)."""
+    path = exp_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for(condition, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"training exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out waiting for training"
+        time.sleep(0.01)
+
+
+def kill_at(proc, exp_dir, step, delay=0.0, kill=None, timeout=120):
+    """SIGKILL the run once it has logged ``step``, ``delay`` seconds later (in the next
+    step's data fetch, its validation or a save); it must not have finished by then."""
+    wait_for(lambda: last_step(exp_dir) >= step, proc, timeout)
+    time.sleep(delay)
+    (kill or proc.kill)()
+    assert proc.wait() != 0, f"the run finished before the kill after step {step}"
+
+
+def refused(result, *words):
+    """A non-zero exit whose message holds these words, and no traceback."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, (word, result.stderr[-2000:])
+
+
+def copy_kit(dest, script="my_train.py", create_model=None):
+    """The kit as a learner copies it into a project: train_llm.py (renamed ``script``),
+    data.py and utils.py in ``dest``, without assets/ or data/; ``create_model``, source
+    text, replaces the script's create_model."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("data.py", "utils.py"):
+        shutil.copy(Path(ROOT) / name, dest / name)
+    text = (Path(ROOT) / "train_llm.py").read_text()
+    if create_model:
+        start = text.index("def create_model(args):")
+        end = text.index("\n\n\ndef ", start)
+        text = text[:start] + textwrap.dedent(create_model).strip() + text[end:]
+    (dest / script).write_text(text)
+    return dest / script
 
 
 @pytest.fixture(scope="session")

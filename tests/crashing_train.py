@@ -43,10 +43,10 @@ def counting(module, name):
 for module, name in [(os, "fsync"), (os, "rename"), (os, "replace"), (shutil, "rmtree")]:
     counting(module, name)
 
-real_save = utils.save_checkpoint
+real_save = utils.write_checkpoint
 
 
-def save_checkpoint(exp_dir, step, *args, **kwargs):
+def write_checkpoint(exp_dir, step, *args, **kwargs):
     if step == hold_step:
         threading.Event().wait()  # until the test kills the process
     counted["inside"] = threading.get_ident() if step == crash_step else None
@@ -58,6 +58,6 @@ def save_checkpoint(exp_dir, step, *args, **kwargs):
         counted["inside"] = None
 
 
-utils.save_checkpoint = save_checkpoint
+utils.write_checkpoint = write_checkpoint
 sys.argv = [str(ROOT / "train_llm.py"), *sys.argv[1:]]
 runpy.run_path(str(ROOT / "train_llm.py"), run_name="__main__")

@@ -1,23 +1,13 @@
-"""A model written by hand, without transformers, trained through the kit: what a learner who
-swaps in their own model does (README, "Changing the kit": train_llm.create_model). Runs
-train_llm.py, or a script of scripts/, with train_llm.create_model returning TinyGPT.
-
-    python tests/own_model.py train_llm.py --experiment-name ...   (train_llm.py's flags)
-    python tests/own_model.py scripts/generate.py RUN ...
+"""A model written by hand, without transformers: what a learner who swaps in their own model
+writes (README, "Changing the kit": create_model). tests/test_own_model.py puts this file next
+to a copy of the kit, whose create_model returns TinyGPT.
 """
 
-import runpy
-import sys
 import types
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import train_llm  # noqa: E402
 
 
 class Block(nn.Module):
@@ -57,17 +47,3 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return types.SimpleNamespace(logits=self.ln(x) @ self.tokens.weight.T)
-
-
-def create_model(args):
-    from transformers import AutoTokenizer
-    return TinyGPT(len(AutoTokenizer.from_pretrained(args.tokenizer)))
-
-
-if __name__ == "__main__":
-    train_llm.create_model = create_model
-    script, sys.argv = sys.argv[1], sys.argv[1:]
-    if Path(script).name == "train_llm.py":
-        train_llm.main()
-    else:
-        runpy.run_path(script, run_name="__main__")

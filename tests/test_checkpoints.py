@@ -130,7 +130,7 @@ def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_opt
         exp = tmp_path / f"sync-{sync}"
         files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
                  "loader-rank0.json": {"offset": 3}}
-        writer.submit("step", lambda staged, exp=exp: utils.save_checkpoint(
+        writer.submit("step", lambda staged, exp=exp: utils.write_checkpoint(
             exp, 1, staged, {"global_step": 1, "config": {}, "checkpoint": None}, keep=1),
             files)
         writer.wait()

@@ -16,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from conftest import refused  # noqa: F401
 from test_train import ENV, ROOT, global_step, metrics, train, train_args
 
 import train_llm
@@ -27,14 +28,6 @@ def snapshot(directory):
     is logged there too)."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "train.log"}
-
-
-def refused(result, *words):
-    """A non-zero exit whose message holds these words, and no traceback."""
-    assert result.returncode != 0, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    for word in words:
-        assert word in result.stderr, (word, result.stderr[-2000:])
 
 
 def jsonl(path, records):
@@ -277,7 +270,7 @@ def crash_before(monkeypatch, at):
 def save(exp_dir, step):
     state = {"global_step": step, "config": {}, "checkpoint": None}
     files = {"model.pt": {"w": torch.full((3,), float(step))}, "loader-rank0.json": {"s": step}}
-    utils.save_checkpoint(exp_dir, step, files, state, keep=1)
+    utils.write_checkpoint(exp_dir, step, files, state, keep=1)
 
 
 def test_a_crash_at_every_step_of_a_save_leaves_a_complete_checkpoint(tmp_path, monkeypatch):

@@ -1,36 +1,59 @@
-"""A model of one's own: tests/own_model.py's TinyGPT (no transformers) put into
-train_llm.create_model, as a learner would. It trains, resumes bit-identically after a
-SIGKILL, samples at validation, and generate.py and --init-from rebuild it from the run; what
-needs transformers (the hf/ export, activation checkpointing) says so at start, never with a
-traceback after training."""
+"""A model of one's own: tests/own_model.py's TinyGPT (no transformers) returned by create_model
+of a copy of the kit, as a learner would write it. It trains, resumes bit-identically after a
+SIGKILL, samples at validation, and the kit's generate.py and --init-from rebuild it from the
+run; what needs transformers (the hf/ export, activation checkpointing) says so at start,
+never with a traceback after training."""
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from test_faults import refused
-from test_train import ENV, ROOT, kill_at, metrics, train_args
+from conftest import ENV, ROOT, copy_kit, kill_at, metrics, refused, train_args
 
 STEPS = 8
+CREATE_MODEL = """
+    def create_model(args):
+        from my_model import TinyGPT  # (my_model.py, next to this script)
+        return TinyGPT(len(AutoTokenizer.from_pretrained(args.tokenizer)))
+"""
 
 
-def own(script, args, timeout=120):
-    return subprocess.run([sys.executable, "tests/own_model.py", script, *map(str, args)],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("project")
+    copy_kit(dest, "train_own.py", CREATE_MODEL)
+    shutil.copy(Path(ROOT) / "tests/own_model.py", dest / "my_model.py")
+    return dest
+
+
+def own(project, args, timeout=120):
+    """The copy's script, run in its project."""
+    return subprocess.run([sys.executable, "train_own.py", *map(str, args)], cwd=project,
+                          env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def kit_script(name, args):
+    """One of the kit's scripts/, run from the kit's directory."""
+    return subprocess.run([sys.executable, f"scripts/{name}.py", *map(str, args)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
 
 
 def args_for(save_dir, name="run", **overrides):
     # (--model-name is not read by TinyGPT's create_model, but is recorded like any flag.)
     flags = {"max_steps": STEPS, "ckpt_freq": 4, "val_freq": 4, "log_freq": 1,
-             "sample_tokens": 8, **overrides}
-    return train_args(save_dir, ROOT / "assets/tiny-gpt2", name=name, **flags)
+             "sample_tokens": 8, "tokenizer": f"{ROOT}/assets/tokenizer",
+             "dataset": f"{ROOT}/data/sample/*/train-*.jsonl",
+             "val_dataset": f"{ROOT}/data/sample/*/val-*.jsonl", **overrides}
+    return train_args(save_dir, f"{ROOT}/assets/tiny-gpt2", name=name, **flags)
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, project):
     save_dir = tmp_path_factory.mktemp("own")
-    result = own("train_llm.py", args_for(save_dir))
+    result = own(project, args_for(save_dir))
     assert result.returncode == 0, result.stderr
     return save_dir / "run", result.stderr
 
@@ -51,37 +74,37 @@ def test_it_trains_samples_and_says_there_is_no_hf_export(straight):
     assert not (exp_dir / "hf").exists()
 
 
-def test_killed_and_resumed_it_ends_bit_identical(straight, tmp_path):
+def test_killed_and_resumed_it_ends_bit_identical(straight, project, tmp_path):
     exp_dir = tmp_path / "run"
     args = args_for(tmp_path)
     with open(tmp_path / "log.txt", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "tests/own_model.py", "train_llm.py",
-                                 *map(str, args)], cwd=ROOT, env=ENV, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "train_own.py", *map(str, args)], cwd=project,
+                                env=ENV, stdout=out, stderr=subprocess.STDOUT)
     kill_at(proc, exp_dir, 5)
-    result = own("train_llm.py", args)
+    result = own(project, args)
     assert result.returncode == 0, result.stderr
     assert "Resuming" in result.stderr
     ours, theirs = final_weights(exp_dir), final_weights(straight[0])
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    rerun = own("train_llm.py", args)  # done: no export to redo, no traceback
+    rerun = own(project, args)  # done: no export to redo, no traceback
     assert rerun.returncode == 0 and "Traceback" not in rerun.stderr, rerun.stderr
 
 
-def test_generate_and_init_from_rebuild_it_from_the_run(straight, tmp_path):
+def test_generate_and_init_from_rebuild_it_from_the_run(straight, project, tmp_path):
     exp_dir = straight[0]
-    result = own("scripts/generate.py", [exp_dir, "--prompt", "def", "--max-new-tokens", "8"])
+    result = kit_script("generate", [exp_dir, "--prompt", "def", "--max-new-tokens", "8"])
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
-    result = own("train_llm.py", args_for(tmp_path, name="next", init_from=exp_dir,
-                                          max_steps=2))
+    result = own(project, args_for(tmp_path, name="next", init_from=exp_dir, max_steps=2))
     assert result.returncode == 0, result.stderr
+    assert "tokens.weight" in torch.load(tmp_path / "next/checkpoints/step-000002/model.pt",
+                                         weights_only=True)
 
 
-def test_what_needs_transformers_refuses_at_start(straight, tmp_path):
-    result = own("scripts/export_hf.py", [straight[0], "--out", tmp_path / "out"])
+def test_what_needs_transformers_refuses_at_start(straight, project, tmp_path):
+    result = kit_script("export_hf", [straight[0], "--out", tmp_path / "out"])
     refused(result, "a model of its own", "no Hugging Face layout")
     assert not (tmp_path / "out").exists()
-    result = own("train_llm.py", [*args_for(tmp_path), "--activation-checkpointing"])
+    result = own(project, [*args_for(tmp_path), "--activation-checkpointing"])
     refused(result, "--activation-checkpointing", "TinyGPT")
-    assert not (tmp_path / "run/checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # a start that fails before training keeps nothing

@@ -19,6 +19,7 @@ from test_faults import copy_run, jsonl, refused, snapshot
 from test_train import ENV, ROOT, global_step, train, train_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import data
 import train_llm
 import utils
 
@@ -239,7 +240,7 @@ def test_the_prompt_layout_is_read_from_the_training_split(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(
         tmp_path / "d")
     args = train_llm.parse_args(["-e", "x", "--task", "sft", "--dataset", str(tmp_path / "d")])
-    assert train_llm.sft_format(args) == "instruction"
+    assert data.sft_format(args.dataset) == "instruction"
 
 
 def test_chat_data_with_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tiny_model):
@@ -384,7 +385,7 @@ def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
 def test_a_log_file_that_cannot_be_written_says_so_once(capsys):
     """/dev/full fails every write as a full disk does: one line, then silence (it used to be
     a "--- Logging error ---" traceback per record)."""
-    handler = train_llm.QuietFileHandler("/dev/full")
+    handler = utils.QuietFileHandler("/dev/full")
     log = logging.getLogger("test_refusals.full")
     log.addHandler(handler)
     try:

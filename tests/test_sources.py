@@ -521,6 +521,6 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("no internet here")
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    with pytest.raises(SystemExit, match="'data/trian' is no local file, pattern or URL, and "
+    with pytest.raises(DataError, match="'data/trian' is no local file, pattern or URL, and "
                                          "reading it as a Hugging Face dataset"):
         train_llm.source("data/trian", args, 0, 1, train=True)

@@ -8,17 +8,16 @@ stopped or broken on purpose and must continue from their checkpoints to the ver
 import collections
 import hashlib
 import json
-import os
 import random
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENV, kill_at, last_step, metrics, train_args, wait_for  # noqa: F401
 
 import utils
 
@@ -26,20 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import trace_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# One thread each: faster for a model this small, and the same float sums in every process.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MAX_STEPS = 30
 CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json",
               "state.json"}
-
-
-def train_args(save_dir, model, name="run", **overrides):
-    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
-            "seq-length": 32, "batch-size": 4, "max-steps": MAX_STEPS, "lr": 1e-2,
-            "warmup-steps": 5, "log-freq": 5, "val-freq": 10, "val-batches": 2,
-            "ckpt-freq": 10, "wandb": "disabled", "tokenizer-threads": 1}
-    args.update({key.replace("_", "-"): value for key, value in overrides.items()})
-    return [f"--{key}={value}" for key, value in args.items()]
 
 
 def train(args, timeout=120):
@@ -58,37 +46,8 @@ def global_step(exp_dir):
     return json.loads(state.read_text())["global_step"] if state.exists() else 0
 
 
-def metrics(exp_dir):
-    return [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def wait_for(condition, proc, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"training exited early with {proc.returncode}"
-        assert time.monotonic() < deadline, "timed out waiting for training"
-        time.sleep(0.01)
-
-
-def last_step(exp_dir):
-    """The last step metrics.jsonl holds a whole line for (a resumed run first cuts the
-    file back to its checkpoint, so this can go down)."""
-    path = exp_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
-def kill_at(proc, exp_dir, step, delay=0.0, kill=None, timeout=120):
-    """SIGKILL the run once it has logged ``step``, ``delay`` seconds later (in the next
-    step's data fetch, its validation or a save); it must not have finished by then."""
-    wait_for(lambda: last_step(exp_dir) >= step, proc, timeout)
-    time.sleep(delay)
-    (kill or proc.kill)()
-    assert proc.wait() != 0, f"the run finished before the kill after step {step}"
 
 
 def resumable_step(exp_dir):
@@ -251,10 +210,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny_model, tmp_pat
 
 
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    """The write order of utils.save_checkpoint, checked without a subprocess: the save
+    """The write order of utils.write_checkpoint, checked without a subprocess: the save
     dies after its first file, as if killed."""
     state = {"global_step": 1}
-    utils.save_checkpoint(tmp_path, 1, {"a.pt": torch.ones(3), "b.json": {}}, state, keep=1)
+    utils.write_checkpoint(tmp_path, 1, {"a.pt": torch.ones(3), "b.json": {}}, state, keep=1)
 
     real_save = torch.save
 
@@ -264,7 +223,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypa
 
     monkeypatch.setattr(torch, "save", save_then_die)
     with pytest.raises(SystemExit):
-        utils.save_checkpoint(tmp_path, 2, {"a.pt": torch.ones(3), "b.pt": 1}, dict(state),
+        utils.write_checkpoint(tmp_path, 2, {"a.pt": torch.ones(3), "b.pt": 1}, dict(state),
                               keep=1)
     monkeypatch.undo()
     assert json.loads((tmp_path / "state.json").read_text())["checkpoint"] == \

@@ -1,0 +1,131 @@
+"""The kit copied into a project as a learner copies it: the three files, the script renamed,
+its create_model changed (3 transformer blocks where the config says 1), no assets/ or data/.
+A start without the shipped files names every flag to pass and writes nothing; with them the
+copy trains and resumes exactly, and the kit's generate.py and export_hf.py, and --init-from,
+rebuild the model of the copy's create_model, from the script the run recorded."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ENV, ROOT, copy_kit, kill_at, refused, train_args
+
+STEPS = 8
+THREE_BLOCKS = """
+    def create_model(args):
+        config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
+        config.n_layer = 3  # the learner's change
+        return AutoModelForCausalLM.from_config(config)
+"""
+SHIPPED = {"tokenizer": f"{ROOT}/assets/tokenizer",
+           "dataset": f"{ROOT}/data/sample/*/train-*.jsonl",
+           "val_dataset": f"{ROOT}/data/sample/*/val-*.jsonl"}
+
+
+def run_in(project, script, args, timeout=120):
+    return subprocess.run([sys.executable, script, *map(str, args)], cwd=project, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def kit_script(name, args):
+    return run_in(ROOT, f"scripts/{name}.py", args)
+
+
+def args_for(save_dir, tiny_model, name="run", **overrides):
+    return train_args(save_dir, tiny_model, name=name, **{
+        "max_steps": STEPS, "ckpt_freq": 4, "val_freq": 4, "sample_tokens": 4, **SHIPPED,
+        **overrides})
+
+
+def weights(ckpt_dir):
+    return torch.load(ckpt_dir / "model.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    dest = tmp_path_factory.mktemp("project")
+    copy_kit(dest, "my_train.py", THREE_BLOCKS)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, project, tiny_model):
+    save_dir = tmp_path_factory.mktemp("copied")
+    result = run_in(project, "my_train.py", args_for(save_dir, tiny_model))
+    assert result.returncode == 0, result.stderr
+    return save_dir / "run"
+
+
+def test_without_the_shipped_files_every_missing_flag_is_named_and_nothing_written(project):
+    result = run_in(project, "my_train.py", ["--experiment-name", "demo"])
+    refused(result, "--tokenizer", "--model-name", "--dataset", "--val-dataset", "Nothing was")
+    assert result.stderr.count("lacks them") == 1  # one paragraph, not four starts
+    assert not (project / "outputs").exists()
+
+
+def test_a_start_that_fails_before_training_leaves_no_directory(project, tiny_model, tmp_path):
+    result = run_in(project, "my_train.py", args_for(tmp_path / "runs", tiny_model,
+                                                     tokenizer=tmp_path / "no-such-tokenizer"))
+    refused(result, "no-such-tokenizer", "before training began")
+    assert "last checkpoint" not in result.stderr  # a new run has none
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_copy_trains_its_own_model_and_resumes_exactly(straight, project, tiny_model,
+                                                           tmp_path):
+    state = json.loads((straight / "state.json").read_text())
+    assert state["script"] == str(project / "my_train.py")
+    final = weights(straight / f"checkpoints/step-{STEPS:06d}")
+    assert "transformer.h.2.attn.c_attn.weight" in final  # 3 blocks: the copy's create_model
+    with open(tmp_path / "log.txt", "ab") as out:
+        proc = subprocess.Popen([sys.executable, "my_train.py",
+                                 *args_for(tmp_path, tiny_model)], cwd=project, env=ENV,
+                                stdout=out, stderr=subprocess.STDOUT)
+    kill_at(proc, tmp_path / "run", 5)
+    result = run_in(project, "my_train.py", args_for(tmp_path, tiny_model))
+    assert result.returncode == 0 and "Resuming" in result.stderr, result.stderr
+    resumed = weights(tmp_path / f"run/checkpoints/step-{STEPS:06d}")
+    assert all(torch.equal(resumed[k], final[k]) for k in final)
+
+
+def test_the_kits_scripts_and_init_from_rebuild_the_copys_model(straight, tiny_model, tmp_path):
+    ckpt = straight / "checkpoints/step-000004"  # an older checkpoint: rebuilt, not hf/
+    result = kit_script("generate", [ckpt, "--prompt", "def", "--max-new-tokens", "4"])
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    result = kit_script("export_hf", [ckpt, "--out", tmp_path / "out"])
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "out/config.json").read_text())["n_layer"] == 3
+    result = run_in(ROOT, "train_llm.py", args_for(tmp_path, tiny_model, name="sft",
+                                                   init_from=straight, max_steps=2))
+    assert result.returncode == 0, result.stderr
+    assert "transformer.h.2.attn.c_attn.weight" in weights(tmp_path / "sft/checkpoints/step-000002")
+
+
+def test_a_run_whose_script_is_gone_says_so_in_one_paragraph(straight, project, tmp_path):
+    (project / "my_train.py").rename(project / "moved.py")
+    try:
+        result = kit_script("generate", [straight / "checkpoints/step-000004", "--prompt", "x"])
+    finally:
+        (project / "moved.py").rename(project / "my_train.py")
+    refused(result, f"was trained by {project / 'my_train.py'}, which is gone")
+    assert "damaged" not in result.stderr
+
+
+def test_a_changed_create_model_is_told_apart_from_damage(straight, project, tiny_model,
+                                                          tmp_path):
+    """The checkpoint loads; the model the script builds now is another one. Neither the
+    resume nor generate.py calls the checkpoint damaged."""
+    script = project / "my_train.py"
+    text = script.read_text()
+    script.write_text(text.replace("config.n_layer = 3", "config.n_layer = 2"))
+    try:
+        result = kit_script("generate", [straight, "--prompt", "x"])
+        refused(result, "do not fit", "my_train.py builds now", "not damaged")
+        resume = run_in(project, "my_train.py", args_for(straight.parent, tiny_model,
+                                                         max_steps=STEPS + 2))
+        refused(resume, "loads, but does not fit", "not damaged")
+    finally:
+        script.write_text(text)
+    assert "is damaged" not in result.stderr + resume.stderr
