@@ -1907,11 +1907,11 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
                      shuffle=train and saved, seed=seed)
 
 
-def sft_format(spec, format=None, skip_bad_records=False):
+def sft_format(spec, **source_args):
     """"chat" if the records of ``spec`` are conversations ('messages', laid out by the
-    tokenizer's chat template), else "instruction" (instruction/output): its first tells."""
-    first = source(spec, train=True, slots=1, sft=True, format=format,
-                   skip_bad_records=skip_bad_records)
+    tokenizer's chat template), else "instruction" (instruction/output): the first record that
+    training reads tells (``source_args``: those of the training source)."""
+    first = source(spec, train=True, sft=True, **source_args)
     try:
         record = next(first, {})
     finally:
@@ -1943,10 +1943,10 @@ def domain_weights(domains, given=None):
         return [1 / len(domains)] * len(domains)
     unknown = set(given) - set(domains)
     if unknown or len(given) != len(domains):
-        raise DataError(f"--mix {','.join(f'{k}={v:g}' for k, v in given.items())}: give a "
-                        f"weight to each domain of {domains}; unknown: {sorted(unknown)}")
-    total = sum(given.values())
-    return [given[name] / total for name in domains]
+        raise DataError(f"--mix gives weights to {sorted(given)}: give a weight to each "
+                        f"domain of {domains}; unknown: {sorted(unknown)}")
+    weights = [given[name] for name in domains]
+    return [w / sum(weights) for w in weights]  # (summed in domain order: the same bits)
 
 
 def check_validation(batches, wanted, train_spec, val_spec, warn=True):

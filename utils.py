@@ -157,10 +157,10 @@ def check_args(parser, args, local_paths, shipped):
                and not _matches(getattr(args, name))]
     if missing:
         flags = ", ".join(f"--{name.replace('_', '-')} ({getattr(args, name)})" for name in missing)
-        sys.exit(f"The defaults of {', '.join('--' + n.replace('_', '-') for n in missing)} are "
-                 f"files shipped with the kit, and {shipped} lacks them: {flags}. Pass each of "
-                 "these flags (a local path, or a Hugging Face Hub name), or copy the kit's "
-                 "assets/ and data/ next to the script. Nothing was written.")
+        sys.exit(f"These flags name files next to the script that are not there: {flags}. The "
+                 "defaults are the kit's shipped assets/ and data/, which a copy of the script "
+                 "lacks: pass each of these flags (a local path, or a Hugging Face Hub name), "
+                 "or copy assets/ and data/ next to the script. Nothing was written.")
     for name in local_paths:
         setattr(args, name, local_path(getattr(args, name)))
     save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
@@ -247,8 +247,9 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     if state is None:
         LOGGER.info(f"Starting {exp_dir} from scratch")
         if args.task == "sft":  # the prompt layout follows the data (prompt_format)
-            config["prompt_format"] = data.sft_format(args.dataset, args.data_format,
-                                                      args.skip_bad_records)
+            config["prompt_format"] = data.sft_format(
+                args.dataset, slots=args.active_shards, epochs=args.epochs, seed=args.seed,
+                format=args.data_format, skip_bad_records=args.skip_bad_records)
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
                  "wandb_run_id": None, "config": config, "domain_tokens": {}}
     else:
@@ -261,6 +262,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
             check_unchanged(args, parser, fingerprint, config,
                             json.loads(own.read_text())["config"],
                             f"{state['checkpoint']} was saved", world_size)
+        run.state = state  # (a failed re-export below is said to keep the checkpoints)
         if is_done(args, exp_dir, state, why):
             if rank == 0:
                 export_again_if_stale(exp_dir, state["checkpoint"])
@@ -321,7 +323,7 @@ def export_again_if_stale(exp_dir, checkpoint):
     if export_is_current(exp_dir / "hf", checkpoint):
         return
     model, tokenizer, config = load_trained(exp_dir / checkpoint)
-    if not hasattr(model, "save_pretrained"):  # a model of your own: nothing to export
+    if not is_transformers(model):  # a model of your own: nothing to export
         return
     LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
                 "again")
@@ -481,9 +483,11 @@ def stop_if_diverged(stats, step, run, loader, writer):
         return
     loader.close()
     writer.wait()  # the last good checkpoint may still be being written
+    last = max(complete_checkpoints(run.dir).items(), default=(0, None))[1]
     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
-             f"checkpoint (the weights are about to be garbage); the last good one is "
-             f"{run.state['checkpoint']}. Lower --lr or raise --warmup-steps.")
+             "checkpoint (the weights are about to be garbage); "
+             f"{f'the last good one is {last}' if last else 'no checkpoint was written yet'}. "
+             "Lower --lr or raise --warmup-steps.")
 
 
 def past_first_step(step, run, args, ctx):
@@ -522,15 +526,16 @@ def cli(main):
 def expected_failure(error):
     """The paragraph that ends a run on a failure the user can mend, or None for a bug (which
     keeps its traceback): bad data, a missing or unreadable file, a full disk, no memory."""
-    kept = not (RUN is None or (RUN.created and not RUN.training))
-    if not kept:
+    before = RUN is None or not RUN.training
+    if before and (RUN is None or RUN.created):
         stopped = "Stopped before training began; nothing was kept"
-    elif RUN.state and RUN.state["checkpoint"]:
+    elif RUN.dir.is_dir() and complete_checkpoints(RUN.dir):
         stopped = "Stopped; the last checkpoint is untouched"
     else:
-        stopped = "Stopped before the first checkpoint"
+        stopped = "Stopped before training began" if before else \
+            "Stopped before the first checkpoint"
     if isinstance(error, EXPECTED):
-        where = "--debug, or rank 0's train.log," if kept else "--debug"
+        where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
                 "from.)")
     # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
@@ -543,10 +548,19 @@ def expected_failure(error):
 
 
 def forget_failed_start():
-    """Remove the directories that a start which failed before training made (it wrote only
-    its train.log and lock there): a mistyped flag leaves nothing behind."""
-    if RUN is not None and RUN.created and not RUN.training:
-        shutil.rmtree(RUN.created[-1], ignore_errors=True)
+    """Remove what a start that failed before training made: its train.log and lock, then
+    each directory it created, from the run's upward, while it is empty (another run may have
+    been started in a --save-dir this one created): a mistyped flag leaves nothing behind."""
+    if RUN is None or not RUN.created or RUN.training:
+        return
+    for name in ("train.log", ".lock"):
+        with contextlib.suppress(FileNotFoundError):
+            (RUN.dir / name).unlink()
+    for directory in RUN.created:  # the run's own first, then its new parents
+        try:
+            directory.rmdir()
+        except OSError:  # not empty: someone else's now
+            return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -974,6 +988,12 @@ def unwrap(model):
         else model
 
 
+def is_transformers(model):
+    """Whether ``model`` is a transformers model (with its layout for save_pretrained)."""
+    from transformers import PreTrainedModel  # (imported by then: the script uses it)
+    return isinstance(model, PreTrainedModel)
+
+
 def check_model(model, tokenizer, args):
     """What the tokenizer, --seq-length and the flags need of the model, checked before any
     training; a model of your own (create_model) is told what needs transformers."""
@@ -988,7 +1008,7 @@ def check_model(model, tokenizer, args):
     if positions and args.seq_length > positions:
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
-    if hasattr(model, "save_pretrained"):  # a transformers model
+    if is_transformers(model):
         return
     if args.activation_checkpointing:
         sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
@@ -1032,11 +1052,12 @@ def checkpoint_weights(ckpt_dir):
         return load(Path(tmp) / "full.pt", "cpu")["model"]
 
 
-def load_trained(path):
+def load_trained(path, script=None):
     """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
     directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
     as a run's hf/) or a Hub name. The model is float32, on the CPU. A checkpoint's model is
-    built by the create_model of the script that trained the run (rebuild_model)."""
+    built by the create_model of the script that trained the run (rebuild_model), or of
+    ``script`` if given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
@@ -1048,11 +1069,13 @@ def load_trained(path):
     ckpt_dir = find_checkpoint(path)
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
-    if config.get("init_from"):  # the architecture of the model it started from
-        model, script = load_trained(kit_path(config["init_from"]))[0], config["init_from"]
+    if config.get("init_from") and not script:  # the architecture it started from
+        model = load_trained(kit_path(config["init_from"]))[0]
+        builder = f"the model of --init-from {config['init_from']}"
     else:  # (a run of a version that did not record its script: the kit's own)
-        script = saved.get("script") or str(KIT / "train_llm.py")
+        script = script or saved.get("script") or str(KIT / "train_llm.py")
         model = rebuild_model(script, config, ckpt_dir)
+        builder = f"create_model of {script}"
     try:
         weights = checkpoint_weights(ckpt_dir)
     except LOAD_ERRORS as e:
@@ -1063,9 +1086,8 @@ def load_trained(path):
         model.load_state_dict(weights)
     except RuntimeError as e:  # the weights loaded: the model built is another one
         raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
-                      f"that create_model of {script} builds now ({_first_line(e)}). The "
-                      "checkpoint is not damaged: put back the create_model that trained "
-                      "it.") from e
+                      f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
+                      "damaged: put back the create_model that trained it.") from e
     tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
     return model, tokenizer, config
 
@@ -1076,8 +1098,7 @@ def rebuild_model(script, config, ckpt_dir):
     if not Path(script).is_file():
         raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
                       "builds the model these weights belong to. Put the script back there, or "
-                      "build the model yourself and load model.pt into it with "
-                      "torch.load(..., weights_only=True).")
+                      "pass a copy of it to generate.py or export_hf.py with --script.")
     module = load_script(script)
     args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
     return module.create_model(types.SimpleNamespace(**args))
@@ -1560,7 +1581,7 @@ def export_hf(model, tokenizer, run, ctx):
     its export."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
-    if not hasattr(unwrap(model), "save_pretrained"):
+    if not is_transformers(unwrap(model)):
         return
     weights = None
     if isinstance(model, FSDPModule):  # the full weights, gathered from every rank's shards

@@ -29,9 +29,12 @@ def main():
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a checkpoint directory of that run (default: the newest complete)")
     parser.add_argument("--out", type=Path, required=True, help="the directory to write")
+    parser.add_argument("--script", default=None,
+                        help="the training script whose create_model builds the model "
+                             "(default: the one the run recorded)")
     args = parser.parse_args()
     source = args.checkpoint or args.run_dir
-    model, tokenizer, config = utils.load_trained(source)
+    model, tokenizer, config = utils.load_trained(source, script=args.script)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "

@@ -34,9 +34,12 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-template", action="store_true",
                         help="do not wrap the prompt in the SFT instruction template")
+    parser.add_argument("--script", default=None,
+                        help="the training script whose create_model builds the model "
+                             "(default: the one the run recorded)")
     args = parser.parse_args()
 
-    model, tokenizer, config = utils.load_trained(args.model)
+    model, tokenizer, config = utils.load_trained(args.model, script=args.script)
     model.to(args.device).eval()
     layout = None if args.no_template else utils.prompt_format(config)  # as it was trained
     print(utils.prompt_text(tokenizer, args.prompt, layout)

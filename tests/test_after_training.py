@@ -128,10 +128,21 @@ def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir
 
 def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(tmp_path,
                                                                                 tiny_model):
-    result = train(train_args(tmp_path, tiny_model, dataset=tmp_path / "missing.jsonl"))
+    shard = tmp_path / "bad.jsonl"  # read by the first step: a failure once training began
+    shard.write_text('{"text": "a b c"}\n' * 3 + "not json\n")
+    result = train(train_args(tmp_path, tiny_model, dataset=shard))
     assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "bad.jsonl" in result.stderr and "before the first checkpoint" in result.stderr
     log = (tmp_path / "run/train.log").read_text()
-    assert "missing.jsonl" in log and "Traceback" in log
+    assert "bad.jsonl" in log and "Traceback" in log
+
+
+def test_a_start_that_fails_before_training_leaves_nothing_and_says_so(tmp_path, tiny_model):
+    result = train(train_args(tmp_path / "runs", tiny_model, dataset=tmp_path / "missing.jsonl"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "missing.jsonl" in result.stderr and "nothing was kept" in result.stderr
+    assert "last checkpoint" not in result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_wandb_project_defaults_to_the_environment(monkeypatch):

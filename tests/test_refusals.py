@@ -240,7 +240,7 @@ def test_the_prompt_layout_is_read_from_the_training_split(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(
         tmp_path / "d")
     args = train_llm.parse_args(["-e", "x", "--task", "sft", "--dataset", str(tmp_path / "d")])
-    assert data.sft_format(args.dataset) == "instruction"
+    assert data.sft_format(args.dataset, seed=args.seed) == "instruction"
 
 
 def test_chat_data_with_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tiny_model):
