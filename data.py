@@ -171,10 +171,13 @@ def shard_format(url):
 
 
 def expand_urls(urls):
-    """Brace patterns, local globs and local directories -> a sorted-as-given list of URLs."""
+    """Brace patterns, local globs and local directories -> a sorted-as-given list of URLs,
+    each once. A local path that exists is that file, whatever characters its name holds
+    (``x[1].jsonl``, ``a*.jsonl``); only a path that does not exist is a pattern."""
     out = []
     for pattern in [urls] if isinstance(urls, str) else urls:
-        for url in braceexpand.braceexpand(pattern):
+        literal = "://" not in pattern and os.path.isfile(pattern)
+        for url in [pattern] if literal else braceexpand.braceexpand(pattern):
             local = "://" not in url
             if local and os.path.isdir(url):
                 found = sorted(p for p in glob.glob(os.path.join(url, "**", "*"), recursive=True)
@@ -182,14 +185,14 @@ def expand_urls(urls):
                 # .txt files beside JSON or Parquet shards are notes, not data.
                 if any(shard_format(p) != "text" for p in found):
                     found = [p for p in found if shard_format(p) != "text"]
-            elif local and glob.has_magic(url):
+            elif local and glob.has_magic(url) and not os.path.exists(url):
                 found = sorted(glob.glob(url))
             else:
                 found = [url]
             if not found:
                 raise FileNotFoundError(f"no files match {url!r}")
             out.extend(found)
-    return out
+    return list(dict.fromkeys(out))  # overlapping patterns name a shard once
 
 
 class SplitError(ValueError):

@@ -45,7 +45,7 @@ DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.pa
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "init_from", "seed", "seq_length", "lr", "min_lr", "warmup_steps",
                "weight_decay", "active_shards", "shuffle_buffer", "epochs", "fsdp", "task",
-               "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format")
+               "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format", "grad_clip")
 # The flags that may name local files: recorded as absolute paths (a run resumes from anywhere).
 LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
@@ -598,7 +598,7 @@ def get_parser():
     add("--resume-from", default=None, metavar="CHECKPOINT",
         help="roll back to this kept checkpoint (e.g. step-000400) instead of the newest one; "
              "the steps logged after it are discarded once it has loaded")
-    add("--seed", type=int, default=0, help="seed for weights, data order and all RNGs")
+    add("--seed", type=at_least(0, 2**32 - 1), default=0, help="seed of weights, data, RNGs")
     add("--max-steps", type=at_least(1), default=600, help="steps (may be raised on resume)")
     add("--device", default=None, type=utils.torch_device,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
@@ -646,8 +646,9 @@ def get_parser():
     add("--global-batch-size", type=at_least(1), default=None, metavar="N",
         help="sequences per step over all ranks: sets --grad-accum from the world size, so a "
              "run restarted on another number of ranks keeps its batch")
-    add("--weight-decay", type=float, default=0.1, help="AdamW weight decay of weight matrices")
-    add("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this")
+    add("--weight-decay", type=finite(0), default=0.1, help="AdamW weight decay of matrices")
+    add("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
+        help="clip the gradient norm to this (inf: never)")
 
     add = parser.add_argument_group("learning-rate schedule (get_lr)").add_argument
     add("--lr", type=finite(0, above=True), default=4e-3, help="peak learning rate")
@@ -676,7 +677,7 @@ def get_parser():
     add = parser.add_argument_group("distributed (under torchrun)").add_argument
     add("--fsdp", action="store_true",
         help="shard weights, gradients and optimizer state across ranks (FSDP2)")
-    add("--dist-timeout", type=float, default=120,
+    add("--dist-timeout", type=finite(0, above=True), default=120,
         help="seconds a collective may wait for the other ranks after the first step")
 
     add = parser.add_argument_group("mixing domains").add_argument
@@ -686,7 +687,7 @@ def get_parser():
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
         help="Online Data Mixing: move the mixture toward domains whose loss stays high")
     add("--odm-warmup-steps", type=at_least(0), default=50, help="steps before ODM adapts")
-    add("--odm-alpha", type=float, default=0.9, help="smoothing of ODM's per-domain rewards")
+    add("--odm-alpha", type=finite(0, high=1), default=0.9, help="smoothing of ODM's rewards")
     return parser
 
 

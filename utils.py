@@ -67,23 +67,27 @@ RUN = None  # the Run this process opened: what cli() tells, or cleans up, when 
 # Flags: argparse types (each checks one flag as it is parsed) and check_args
 # ----------------------------------------------------------------------------------------------
 
-def at_least(low):
-    """An argparse type: an int >= low (0 steps or 0 sequences mean nothing)."""
+def at_least(low, high=None):
+    """An argparse type: an int >= low (0 steps or 0 sequences mean nothing), <= high."""
     def integer(text):
         value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be at least {low}{f' and at most {high}' if high else ''}, got {value}")
         return value
     return integer
 
 
-def finite(low, above=False):
-    """An argparse type: a finite float >= low (> low with ``above``)."""
+def finite(low, above=False, high=None, inf=False):
+    """An argparse type: a finite float >= low (> low with ``above``), <= high; ``inf``:
+    infinity too (never NaN: a NaN in a flag would only show up as a NaN loss)."""
     def number(text):
         value = float(text)
-        if not math.isfinite(value) or value < low or (above and value == low):
+        if math.isnan(value) or (math.isinf(value) and not inf) or value < low or \
+                (above and value == low) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(
-                f"must be a finite number {'>' if above else '>='} {low:g}, got {text}")
+                f"must be a {'' if inf else 'finite '}number {'>' if above else '>='} {low:g}"
+                f"{f' and <= {high:g}' if high is not None else ''}, got {text}")
         return value
     return number
 
@@ -239,6 +243,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         log_to_file(exp_dir / "train.log", rank)
     RUN = run = Run(exp_dir, rank, created, lock_file)
     LOGGER.info(args)
+    read_starts(exp_dir / "args.json")  # (a file edited by hand: refused now, not later)
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
     config = {name: getattr(args, name) for name in fingerprint}
@@ -268,6 +273,10 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                 export_again_if_stale(exp_dir, state["checkpoint"])
             return None
     state["script"] = str(Path(script).resolve())
+    if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()):
+        LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
+        state["wandb_run_id"] = None  # (else `wandb sync` would merge the two curves)
+    state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
 
@@ -359,7 +368,7 @@ class QuietFileHandler(logging.FileHandler):
 def record_args(path, args, world_size):
     """Append this start's full arguments to args.json, and what changed since the last one
     (--max-steps raised on resume, say): a run's history of how it was called."""
-    starts = json.loads(path.read_text()) if path.exists() else []
+    starts = read_starts(path)
     now = {**vars(args), "world_size": world_size}
     before = starts[-1]["args"] if starts else now
     starts.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -369,13 +378,27 @@ def record_args(path, args, world_size):
     write_atomic(path, json.dumps(starts, indent=2))
 
 
+def read_starts(path):
+    """The starts args.json records; a file edited by hand into something else is one
+    paragraph (checked when the run opens, before anything is loaded)."""
+    try:
+        starts = json.loads(path.read_text()) if path.exists() else []
+        if not isinstance(starts, list):
+            raise ValueError("not a list")
+    except ValueError as e:
+        sys.exit(f"{path} is not the JSON list of starts that the kit writes ({e}). Mend it, "
+                 "or move it away, and rerun. Nothing was changed.")
+    return starts
+
+
 class MetricsLog:
     """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, the
     progress bar, and a log line when there is more than the loss to say. Remove wandb here
     and only here."""
 
     def __init__(self, exp_dir, args, state, rank):
-        self.file = open(exp_dir / "metrics.jsonl", "a") if rank == 0 else None
+        # Unbuffered, so that a failed write (a full disk) is cut off at once (write).
+        self.file = open(exp_dir / "metrics.jsonl", "ab", buffering=0) if rank == 0 else None
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0)
         self.wandb = None
@@ -390,8 +413,14 @@ class MetricsLog:
 
     def write(self, metrics):
         if self.file:
-            self.file.write(json.dumps(metrics) + "\n")
-            self.file.flush()
+            line, size = (json.dumps(metrics) + "\n").encode(), self.file.tell()
+            try:
+                while line:
+                    line = line[self.file.write(line):]
+            except OSError as e:  # no torn line stays behind; the failure is one paragraph
+                with contextlib.suppress(OSError):
+                    os.truncate(self.file.name, size)
+                raise write_failure(self.file.name, e) from e
         if self.wandb:
             self.wandb.log(metrics, step=metrics["step"])
         if "tokens_per_s" in metrics or "val_loss" in metrics:
@@ -1156,6 +1185,9 @@ def pretrained(cls, name, what, **kwargs):
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if os.path.exists(name):
+            raise OSError(f"{what} {name}: a local directory that does not load ({first})") \
+                from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
 
@@ -1403,7 +1435,8 @@ def write_failure(path, error):
     existing = next(p for p in [Path(path), *Path(path).parents] if p.exists())
     free = shutil.disk_usage(existing).free / GiB
     reason = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(error).__name__
-    return OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk")
+    return OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk: free "
+                   "some space and rerun the same command")
 
 
 def save_tensors(obj, f):
@@ -1569,7 +1602,8 @@ def damaged_checkpoint(ckpt_dir, path, error):
     launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
         if "LOCAL_RANK" in os.environ else ["python"]
     command = shlex.join([*launcher, sys.argv[0], *argv, "--resume-from", older.name])
-    return text + f" Resume from it (this discards what was logged after it) with:\n  {command}"
+    return text + (" Resume from it (this discards what was logged after it) with:\n  "
+                   f"cd {shlex.quote(os.getcwd())} && {command}")
 
 
 def export_hf(model, tokenizer, run, ctx):
@@ -1847,14 +1881,21 @@ def discard_after(exp_dir, step):
         shutil.rmtree(debris, ignore_errors=True)  # (a deletion may still be under way)
     metrics = exp_dir / "metrics.jsonl"
     if metrics.exists():
-        kept = []
-        for line in metrics.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
-            except ValueError:  # the torn last line of a killed write
-                pass
-        write_atomic(metrics, "".join(kept))
+        lines = metrics.read_text(errors="replace").split("\n")
+        lines.pop()  # "" after the last newline, or the torn line of a killed write
+        write_atomic(metrics, "".join(line + "\n" for line in lines
+                                      if not _logged_after(line, step)))
+
+
+def _logged_after(line, step):
+    """Whether a line of metrics.jsonl is a step's record after ``step`` (a line a user
+    added by hand, a note, is none: it stays)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and \
+        record["step"] > step
 
 
 def rewrite_last_line(f, line):

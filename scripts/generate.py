@@ -26,12 +26,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", help="run directory, checkpoint directory, HF directory or name")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.8,
+    parser.add_argument("--max-new-tokens", type=utils.at_least(1), default=50,
+                        help="tokens to generate")
+    parser.add_argument("--temperature", type=utils.finite(0), default=0.8,
                         help="sampling temperature (0: greedy, always the likeliest token)")
-    parser.add_argument("--top-k", type=int, default=50, help="sample among the K likeliest")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--top-k", type=utils.at_least(1), default=50,
+                        help="sample among the K likeliest")
+    parser.add_argument("--seed", type=utils.at_least(0, 2**32 - 1), default=0,
+                        help="seed of the sampling")
+    parser.add_argument("--device", type=utils.torch_device,
+                        default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-template", action="store_true",
                         help="do not wrap the prompt in the SFT instruction template")
     parser.add_argument("--script", default=None,

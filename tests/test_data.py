@@ -113,6 +113,18 @@ def test_expand_urls(tmp_path):
         expand_urls(f"{d}/missing-*.jsonl")
 
 
+def test_a_path_that_exists_is_that_file_and_a_shard_is_listed_once(tmp_path):
+    for name in ["x[1].jsonl", "x1.jsonl", "a*.jsonl", "ab.jsonl", "train-000.jsonl",
+                 "train-001.jsonl"]:
+        (tmp_path / name).write_text("")
+    d = str(tmp_path)
+    assert expand_urls(f"{d}/x[1].jsonl") == [f"{d}/x[1].jsonl"]  # not x1.jsonl
+    assert expand_urls(f"{d}/a*.jsonl") == [f"{d}/a*.jsonl"]  # not ab.jsonl too
+    assert expand_urls(f"{d}/x[0-9].jsonl") == [f"{d}/x1.jsonl"]  # no such file: a pattern
+    assert expand_urls(f"{d}/{{train-000,train-00*}}.jsonl") == [  # overlapping parts
+        f"{d}/train-000.jsonl", f"{d}/train-001.jsonl"]
+
+
 # -- Sequence and the simple transforms ------------------------------------------------------------
 
 def test_sequence():

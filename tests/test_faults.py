@@ -101,8 +101,9 @@ def test_a_damaged_checkpoint_is_one_paragraph_with_the_way_on(ten_steps, tmp_pa
             "--resume-from step-000005")
     assert snapshot(exp) == before  # nothing written, nothing deleted
     command = result.stderr.strip().splitlines()[-1].strip()
-    assert command.startswith("python train_llm.py ")
-    again = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV,
+    assert command.startswith(f"cd {ROOT} && python train_llm.py ")
+    command = command.replace(" && python ", f" && {shlex.quote(sys.executable)} ", 1)
+    again = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=ENV,  # from elsewhere
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert global_step(exp) == 15
@@ -123,6 +124,57 @@ def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_llm.get_parser().parse_args(["-e", "x", *argv])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_hand_edits_of_args_json_and_metrics_jsonl_give_no_traceback(ten_steps, tmp_path,
+                                                                     tiny_model):
+    """args.json broken by hand is refused before anything changes; notes a user added to
+    metrics.jsonl stay through a resume. A copied run gets a wandb run of its own."""
+    exp = copy_run(ten_steps, tmp_path)
+    args_json = exp / "args.json"
+    good = args_json.read_text()
+    args_json.write_text(good.rstrip()[:-1] + ",]")  # a trailing comma
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    refused(result, f"{args_json} is not the JSON list of starts", "Nothing was changed")
+    assert snapshot(exp) == before
+    args_json.write_text(good)
+    with open(exp / "metrics.jsonl", "a") as f:
+        f.write('"lr looked high here"\n{"note": "try 3e-3"}\n')
+    for state in (exp / "state.json", exp / "checkpoints/step-000010/state.json"):
+        state.write_text(state.read_text().replace('"wandb_run_id": null',
+                                                   '"wandb_run_id": "of-the-original"'))
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    lines = (exp / "metrics.jsonl").read_text().splitlines()
+    assert '"lr looked high here"' in lines and '{"note": "try 3e-3"}' in lines
+    assert f"{exp} is a copy of {ten_steps.resolve()}" in result.stderr
+    assert json.loads((exp / "state.json").read_text())["wandb_run_id"] is None
+
+
+def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_path):
+    args = train_llm.parse_args(["-e", "x", "--wandb", "disabled"])
+    log = utils.MetricsLog(tmp_path, args, {"global_step": 0, "wandb_run_id": None}, rank=0)
+    log.write({"step": 1, "loss": 1.0, "lr": 0.1})
+    real = log.file
+
+    class FullDisk:  # writes half a line, then fails as a full disk does
+        name = real.name
+
+        def tell(self):
+            return real.tell()
+
+        def write(self, data):
+            real.write(data[:len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    log.file = FullDisk()
+    with pytest.raises(OSError, match="metrics.jsonl failed .* GiB free on that disk: free"):
+        log.write({"step": 2, "loss": 1.0, "lr": 0.1})
+    log.file = real
+    log.close()
+    assert [json.loads(line)["step"] for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
 def test_a_checked_mix_keeps_its_text():  # it is part of the fingerprint, as typed

@@ -178,11 +178,47 @@ def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     (["--device", "nonsense"], "is not a torch device"),
     (["--global-batch-size", "10", "-b", "4"], "must be a multiple of world size x --batch-size"),
     (["--global-batch-size", "8", "-b", "4", "--grad-accum", "3"], "(leave it out)"),
+    (["--grad-clip=-1"], "--grad-clip: must be a number > 0"),  # gradient ascent
+    (["--grad-clip", "0"], "--grad-clip: must be a number > 0"),  # trains nothing
+    (["--grad-clip", "nan"], "--grad-clip: must be a number > 0"),
+    (["--weight-decay=-1"], "--weight-decay: must be a finite number >= 0"),
+    (["--weight-decay", "nan"], "--weight-decay: must be a finite number >= 0"),
+    (["--odm-alpha", "2"], "--odm-alpha: must be a finite number >= 0 and <= 1"),
+    (["--odm-alpha=-5"], "--odm-alpha: must be a finite number >= 0 and <= 1"),
+    (["--odm-alpha", "nan"], "--odm-alpha: must be a finite number >= 0 and <= 1"),
+    (["--seed=-1"], "--seed: must be at least 0 and at most 4294967295"),
+    (["--seed", "99999999999999"], "--seed: must be at least 0 and at most 4294967295"),
+    (["--dist-timeout", "nan"], "--dist-timeout: must be a finite number > 0"),
+    (["--dist-timeout=-1"], "--dist-timeout: must be a finite number > 0"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_llm.parse_args(["-e", "x", *argv])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_an_infinite_grad_clip_means_never_clip():
+    assert train_llm.parse_args(["-e", "x", "--grad-clip", "inf"]).grad_clip == float("inf")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
+    (["--max-new-tokens=-5"], "--max-new-tokens: must be at least 1"),
+    (["--top-k=-3"], "--top-k: must be at least 1"),
+    (["--temperature=-1"], "--temperature: must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
+    (["--device", "nonsense"], "is not a torch device"),
+])
+def test_generate_checks_its_flags_when_parsed(argv, words, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        script("generate", ["some-run", "--prompt", "x", *argv], capsys, monkeypatch)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_local_model_directory_that_does_not_load_is_called_that(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(OSError, match="a local directory that does not load"):
+        utils.pretrained(AutoTokenizer, str(tmp_path), "--model-name")
 
 
 @pytest.mark.parametrize("world_size, grad_accum", [(1, 4), (2, 2), (4, 1)])

@@ -182,7 +182,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
     assert [row["step"] for row in metrics(exp_dir)] == list(range(1, stopped_at + 6))
 
 
-@pytest.mark.parametrize("flag, value", [("seq_length", 64), ("seed", 1),
+@pytest.mark.parametrize("flag, value", [("seq_length", 64), ("seed", 1), ("grad_clip", 0.5),
                                          ("dataset", "data/sample/code/train-*.jsonl")])
 def test_resuming_with_a_changed_argument_is_refused(straight, tiny_model, flag, value):
     before = digest(straight / "state.json")
