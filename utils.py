@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import types
+import uuid
 from pathlib import Path
 
 import braceexpand
@@ -213,7 +214,7 @@ class Run:
         debris of unfinished saves), so that metrics.jsonl holds every step once, and record
         this start in args.json. From here on a failure keeps the directory."""
         if self.rank == 0:
-            discard_after(self.dir, self.state["global_step"])
+            discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
             record_args(self.dir / "args.json", args, world_size)
             if args.resume_from:  # state.json must not name a checkpoint just discarded
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
@@ -250,14 +251,21 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
     state, why = run_state(exp_dir, args.resume_from)
     if state is None:
+        if (exp_dir / "hf").is_dir():  # (a run that is done writes hf/ last)
+            sys.exit(f"{exp_dir} holds what a finished run left (hf/, metrics.jsonl) but no "
+                     "checkpoint to go on from: its state.json and checkpoints/ are gone. "
+                     "Nothing was changed: start a new --experiment-name, or move those files "
+                     "away to train this name again from scratch.")
         LOGGER.info(f"Starting {exp_dir} from scratch")
         if args.task == "sft":  # the prompt layout follows the data (prompt_format)
             config["prompt_format"] = data.sft_format(
                 args.dataset, slots=args.active_shards, epochs=args.epochs, seed=args.seed,
                 format=args.data_format, skip_bad_records=args.skip_bad_records)
         state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
-                 "wandb_run_id": None, "config": config, "domain_tokens": {}}
+                 "wandb_run_id": None, "config": config, "domain_tokens": {},
+                 "run_id": uuid.uuid4().hex}  # what marks its checkpoints as its own
     else:
+        refuse_foreign_checkpoints(exp_dir, state)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
         check_unchanged(args, parser, fingerprint, config, state["config"],
@@ -279,6 +287,35 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def refuse_foreign_checkpoints(exp_dir, state):
+    """Refuse to train beside checkpoints that another run saved (copied in by hand): the run
+    deletes its own old checkpoints, and must never delete those. Each says where it came from
+    (the run_dir of its state.json)."""
+    try:  # the run's own record, else (it is lost) the checkpoint it resumes from
+        own = json.loads((exp_dir / "state.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        own = state.get("run_id")
+    foreign = {d.name: saved_by(d) for d in complete_checkpoints(exp_dir).values()
+               if saved_by(d)[0] != own}
+    if foreign:
+        origins = "; ".join(f"{name} was saved by the run in {where or 'another directory'}"
+                            for name, (_, where) in sorted(foreign.items()))
+        sys.exit(f"{exp_dir / 'checkpoints'} holds checkpoints that this run did not save: "
+                 f"{origins}. A run deletes only its own old checkpoints, and trains beside no "
+                 "other's: move them out of that directory (or train in a copy of the run they "
+                 "came from), then rerun. Nothing was changed.")
+
+
+def saved_by(ckpt_dir):
+    """(run id, run directory) of the run that saved a checkpoint, from its state.json; a
+    run of a version that did not record them: (None, None)."""
+    try:
+        state = json.loads((ckpt_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return "unknown", None
+    return state.get("run_id"), state.get("run_dir")
 
 
 def is_done(args, exp_dir, state, why):
@@ -1220,6 +1257,12 @@ def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=
             json.dumps({**config, "exported_from": checkpoint}, indent=2))
         model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / EXPORT_MARKER).write_text(json.dumps(
+            {**config, "exported_from": checkpoint, "files": written}, indent=2))
+        for name in added_by_user(out, written):  # a model card, eval results: kept (copies)
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(out / name, tmp / name)
     except Exception as e:  # safetensors reports a full disk as its own SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         if (failure := write_failure(out, e)) is None:
@@ -1233,6 +1276,23 @@ def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=
         os.rename(out, old)
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def added_by_user(out, written):
+    """The files of an earlier export at ``out`` that no export wrote (its marker lists what
+    it wrote; an older one, which did not, wrote only top-level .json, .safetensors, .jinja,
+    .txt and .model files) and that the new export (``written``) does not write again."""
+    if not out.is_dir():
+        return []
+    try:
+        ours = set(json.loads((out / EXPORT_MARKER).read_text()).get("files") or [])
+    except (OSError, ValueError, AttributeError):
+        ours = set()
+    if not ours:
+        ours = {p.name for p in out.iterdir() if p.is_file() and p.suffix in
+                (".json", ".safetensors", ".jinja", ".txt", ".model")}
+    return [name for name in (str(p.relative_to(out)) for p in sorted(out.rglob("*"))
+                              if p.is_file()) if name not in ours and name not in written]
 
 
 def is_export(path):
@@ -1668,7 +1728,9 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
         os.rename(tmp, final)
         _fsync_dir(final.parent)
         write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
-        for _, old in sorted(_step_dirs(exp_dir).items())[:-keep]:
+        own = {s: d for s, d in _step_dirs(exp_dir).items()
+               if saved_by(d)[0] == state.get("run_id")}  # never another run's
+        for _, old in sorted(own.items())[:-keep]:
             # Deleting 1.3 GB took 0.2 s here (a disk mounted with discard): renamed out of
             # the way at once, deleted by a helper thread (or, if killed, by the next start).
             gone = old.with_name(old.name + ".deleted")
@@ -1866,15 +1928,15 @@ def run_state(exp_dir, resume_from=None):
     return state, ""
 
 
-def discard_after(exp_dir, step):
+def discard_after(exp_dir, step, run_id=None):
     """Forget what a killed run did after the checkpoint we resume from (``step``).
 
     It may have logged steps past it and written newer or half-finished checkpoints that
     state.json never named. They are replaced by what this run does, so that metrics.jsonl
-    holds every step exactly once.
+    holds every step exactly once. Only checkpoints of this run (``run_id``) are deleted.
     """
     for dir_step, path in _step_dirs(exp_dir).items():
-        if dir_step > step:
+        if dir_step > step and saved_by(path)[0] == run_id:
             shutil.rmtree(path)
     for debris in [*(exp_dir / "checkpoints").glob("*.tmp"),
                    *(exp_dir / "checkpoints").glob("*.deleted")]:

@@ -58,6 +58,20 @@ def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeyp
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out), ids), logits(old, ids))
 
 
+def test_an_export_keeps_what_the_user_added(run_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "my-model"
+    script("export_hf", [run_dir, "--out", out], capsys, monkeypatch)
+    (out / "README.md").write_text("# my model card\n")
+    (out / "eval").mkdir()
+    (out / "eval/results.json").write_text('{"accuracy": 0.5}')
+    script("export_hf", [run_dir, "--checkpoint", run_dir / "checkpoints/step-000005",
+                         "--out", out], capsys, monkeypatch)
+    assert (out / "README.md").read_text() == "# my model card\n"
+    assert json.loads((out / "eval/results.json").read_text()) == {"accuracy": 0.5}
+    assert json.loads((out / "train_llm.json").read_text())["exported_from"].endswith(
+        "step-000005")
+
+
 def test_generate_is_deterministic_per_seed(run_dir, capsys, monkeypatch):
     def text(model, seed):
         return script("generate", [model, "--prompt", "The river", "--seed", seed,

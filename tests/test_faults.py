@@ -177,6 +177,47 @@ def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_pat
             (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+def test_a_checkpoint_of_another_run_is_refused_by_name_and_never_deleted(ten_steps, tmp_path,
+                                                                          tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    foreign = exp / "checkpoints/step-000012"  # newer than the run's own: it would be resumed
+    shutil.copytree(exp / "checkpoints/step-000005", foreign)
+    state = json.loads((foreign / "state.json").read_text())
+    (foreign / "state.json").write_text(json.dumps(
+        {**state, "run_id": "another-run", "run_dir": "/elsewhere/other-run"}))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=20, ckpt_freq=5))
+    refused(result, "checkpoints that this run did not save: step-000012 was saved by the run "
+            "in /elsewhere/other-run", "Nothing was changed")
+    assert snapshot(exp) == before
+
+
+def test_keeping_k_checkpoints_deletes_only_the_runs_own(tmp_path):
+    other = tmp_path / "checkpoints/step-000000"
+    other.mkdir(parents=True)
+    (other / "state.json").write_text('{"run_id": "another-run"}')
+    state = {"global_step": 0, "run_id": "this-run"}
+    for step in (1, 2, 3):
+        utils.write_checkpoint(tmp_path, step, {"a.pt": torch.ones(1)}, state, keep=1)
+    utils.discard_after(tmp_path, 3, "this-run")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()
+                   if not p.name.endswith(".deleted"))
+    assert names == ["step-000000", "step-000003"]
+
+
+def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, tmp_path,
+                                                                     tiny_model):
+    """The user freed the disk of a finished run (checkpoints/, state.json) and kept its
+    metrics.jsonl and hf/: the same command must not start over on top of them."""
+    exp = copy_run(ten_steps, tmp_path)
+    shutil.rmtree(exp / "checkpoints")
+    (exp / "state.json").unlink()
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10))
+    refused(result, "holds what a finished run left", "Nothing was changed")
+    assert snapshot(exp) == before
+
+
 def test_a_checked_mix_keeps_its_text():  # it is part of the fingerprint, as typed
     mix = "code=0.4,docstrings=0.3,prose=0.2,reference=0.1"
     assert train_llm.get_parser().parse_args(["-e", "x", "--mix", mix]).mix == mix
