@@ -298,6 +298,8 @@ class Shards:
         params = self.transport_params or {}
         if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
             params = {"defer_seek": True, **params}
+        if url.startswith(("http://", "https://")):  # a server that never answers: a fault
+            params = {"timeout": HTTP_TIMEOUT, **params}
         return smart_open.open(url, "rb", transport_params=params)
 
     def kind(self, url):
@@ -798,6 +800,10 @@ def _lines_before(slot, open_shard, required_fields):
 
 # -- Retries: a transient network fault is retried, anything else fails at once ----------------
 
+# Seconds to connect to an HTTP server, and to wait for each read from it (requests has no
+# timeout of its own; the cloud SDKs have theirs): a silent server is then a retried fault.
+HTTP_TIMEOUT = (10, 60)
+
 # Network faults worth retrying, matched by class name so that data.py need not import every
 # cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
 _TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
@@ -845,6 +851,11 @@ def _permanent(url, where, error):
         return FileNotFoundError(f"shard {url} does not exist ({text})")
     if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
         return PermissionError(f"shard {url}: access denied ({text})")
+    if "ignored the range request" in text:
+        return OSError(f"shard {url}: the server ignores HTTP Range requests ({text}), and the "
+                       "kit reads a shard from where it stopped, or in pieces, by asking for a "
+                       "range. Serve it from a server that answers them (nginx, S3, GCS; not "
+                       "`python -m http.server`), or download it and pass the local file.")
     return OSError(f"shard {url}: read failed after {where}: {text}")
 
 

@@ -168,6 +168,13 @@ def check_args(parser, args, local_paths, shipped):
                  "or copy assets/ and data/ next to the script. Nothing was written.")
     for name in local_paths:
         setattr(args, name, local_path(getattr(args, name)))
+    # The shuffle buffer holds --shuffle-buffer sequences of int64 tokens (per domain and rank).
+    buffer, memory = args.shuffle_buffer * args.seq_length * 8, _physical_memory()
+    if memory and buffer > memory / 2:
+        parser.error(f"--shuffle-buffer {args.shuffle_buffer} holds {args.shuffle_buffer} x "
+                     f"--seq-length {args.seq_length} tokens, {buffer / GiB:.1f} GiB (per domain "
+                     f"and rank), more than half of this machine's {memory / GiB:.1f} GiB: pass "
+                     "a smaller one")
     save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
     exp_dir = Path(os.path.normpath(save_dir / args.experiment_name))
     if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
@@ -188,6 +195,14 @@ def check_args(parser, args, local_paths, shipped):
                          f"a --batch-size that divides {args.global_batch_size} / {world_size} "
                          "on every world size the run may see.")
         args.grad_accum = accum
+
+
+def _physical_memory():
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _matches(value):
@@ -293,9 +308,11 @@ def refuse_foreign_checkpoints(exp_dir, state):
     """Refuse to train beside checkpoints that another run saved (copied in by hand): the run
     deletes its own old checkpoints, and must never delete those. Each says where it came from
     (the run_dir of its state.json)."""
-    try:  # the run's own record, else (it is lost) the checkpoint it resumes from
-        own = json.loads((exp_dir / "state.json").read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
+    try:  # the run's own record, else (it is lost or torn) the checkpoint it resumes from
+        root = json.loads((exp_dir / "state.json").read_text())
+        own = root.get("run_id") if {"global_step", "checkpoint", "config"} <= set(root) \
+            else state.get("run_id")
+    except (OSError, ValueError, TypeError, AttributeError):
         own = state.get("run_id")
     foreign = {d.name: saved_by(d) for d in complete_checkpoints(exp_dir).values()
                if saved_by(d)[0] != own}
@@ -550,10 +567,10 @@ def stop_if_diverged(stats, step, run, loader, writer):
     loader.close()
     writer.wait()  # the last good checkpoint may still be being written
     last = max(complete_checkpoints(run.dir).items(), default=(0, None))[1]
+    last = f"the last good one is checkpoints/{last.name}" if last else "none was saved yet"
     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
-             "checkpoint (the weights are about to be garbage); "
-             f"{f'the last good one is {last}' if last else 'no checkpoint was written yet'}. "
-             "Lower --lr or raise --warmup-steps.")
+             f"checkpoint (the weights are about to be garbage); {last}. Lower --lr or raise "
+             "--warmup-steps.")
 
 
 def past_first_step(step, run, args, ctx):
@@ -1354,7 +1371,7 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
     sample = temperature > 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        if not hasattr(model, "generate"):  # a model of your own (train_llm.create_model)
+        if not hasattr(model, "generate"):  # a model of your own (create_model)
             out = sample_plainly(model, ids, max_new_tokens, temperature, top_k,
                                  None if fixed_length else tokenizer.eos_token_id)
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

@@ -61,7 +61,7 @@ def straight(tmp_path_factory, project, tiny_model):
 def test_without_the_shipped_files_every_missing_flag_is_named_and_nothing_written(project):
     result = run_in(project, "my_train.py", ["--experiment-name", "demo"])
     refused(result, "--tokenizer", "--model-name", "--dataset", "--val-dataset", "Nothing was")
-    assert result.stderr.count("lacks them") == 1  # one paragraph, not four starts
+    assert result.stderr.count("name files next to the script") == 1  # one start, not four
     assert not (project / "outputs").exists()
 
 

@@ -190,6 +190,7 @@ def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     (["--seed", "99999999999999"], "--seed: must be at least 0 and at most 4294967295"),
     (["--dist-timeout", "nan"], "--dist-timeout: must be a finite number > 0"),
     (["--dist-timeout=-1"], "--dist-timeout: must be a finite number > 0"),
+    (["--shuffle-buffer", "100000000"], "more than half of this machine's"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:

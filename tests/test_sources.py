@@ -5,11 +5,13 @@ be. The HTTP server is ours, so that it can serve byte ranges and misbehave on c
 503, or cut a response off in the middle.
 """
 
+import functools
 import gzip
 import http.server
 import json
 import random
 import re
+import socket
 import sys
 import threading
 
@@ -254,6 +256,34 @@ def test_http_retries_then_fails_naming_the_url(web, web_shards, caplog):
     with pytest.raises(OSError, match=f"shard {web_shards[0]}: still failing after 3 retries"):
         next(Files(web_shards[0], retries=3, retry_delay=0))
     assert caplog.text.count("retry") == 3
+
+
+def test_a_server_that_never_answers_times_out_and_is_named(monkeypatch):
+    silent = socket.socket()  # accepts connections (the kernel does) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/x.jsonl"
+    monkeypatch.setattr(data, "HTTP_TIMEOUT", (0.5, 0.5))
+    try:
+        with pytest.raises(OSError, match=f"shard {url}: still failing after 1 retries"):
+            next(Files(url, n_active_shards=1, retries=1, retry_delay=0))
+    finally:
+        silent.close()
+
+
+def test_a_server_without_range_requests_is_named_with_the_way_out(tmp_path):
+    (tmp_path / "one.jsonl").write_bytes(jsonl_bytes(documents(40, 1, size=300)))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler.log_message = lambda *args: None
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/one.jsonl"
+    try:  # two slots: the second reads from the middle of the file
+        with pytest.raises(OSError, match="ignores HTTP Range requests.*python -m http.server"):
+            list(Files(url, n_active_shards=2, retries=0))
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.parametrize("status, error, words", [(404, FileNotFoundError, "does not exist"),
