@@ -372,22 +372,6 @@ def validation_batches(args, tokenizer, domains, rank):
 
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
 
-def save_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx, writer):
-    """What a checkpoint holds: rank 0's model, optimizer and schedule (with FSDP each rank's
-    shards, through torch.distributed.checkpoint), and every rank's RNG and loader state.
-    utils.save_checkpoint writes them so that a kill at any instant leaves a whole one."""
-    files = {utils.RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
-             utils.LOADER_FILE.format(ctx.rank): loader.state_dict()}
-    if args.fsdp:  # this rank's shards
-        files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
-    elif ctx.rank == 0:
-        files["model.pt"] = utils.unwrap(model).state_dict()
-        files["optimizer.pt"] = optimizer.state_dict()
-    if ctx.rank == 0:
-        files["lr_scheduler.pt"] = lr_scheduler.state_dict()
-    utils.save_checkpoint(run, files, writer, keep=args.keep_checkpoints, rank=ctx.rank)
-
-
 def load_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx):
     """Everything save_checkpoint wrote, the RNG states last (after all else has drawn from
     them). A file that does not load ends the run in one paragraph (utils.read_checkpoint)."""
@@ -404,6 +388,22 @@ def load_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx):
         lr_scheduler.load_state_dict(ckpt.load("lr_scheduler.pt"))
         ckpt.load_loader(loader)  # on another number of ranks, all ranks' states merged
         utils.set_rng_state(ckpt.load_rng())
+
+
+def save_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx, writer):
+    """What a checkpoint holds: rank 0's model, optimizer and schedule (with FSDP each rank's
+    shards, through torch.distributed.checkpoint), and every rank's RNG and loader state.
+    utils.save_checkpoint writes them so that a kill at any instant leaves a whole one."""
+    files = {utils.RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
+             utils.LOADER_FILE.format(ctx.rank): loader.state_dict()}
+    if args.fsdp:  # this rank's shards
+        files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+    elif ctx.rank == 0:
+        files["model.pt"] = utils.unwrap(model).state_dict()
+        files["optimizer.pt"] = optimizer.state_dict()
+    if ctx.rank == 0:
+        files["lr_scheduler.pt"] = lr_scheduler.state_dict()
+    utils.save_checkpoint(run, files, writer, keep=args.keep_checkpoints, rank=ctx.rank)
 
 
 # --- The training step ------------------------------------------------------------------------
@@ -447,13 +447,6 @@ def train_step(model, batches, ctx, timers, n_domains=0):
     return stats
 
 
-def clip_gradients(model, args, ctx):
-    """Clip the gradients' global norm to --grad-clip. Returns the norm on rank 0 and 0 on the
-    others: the step's all-reduce sums what every rank adds, and this is the same on all."""
-    norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-    return norm if ctx.rank == 0 else torch.zeros_like(norm)
-
-
 def rank_flags(stop, log_step, loader, ctx):
     """What this rank adds to the step's all-reduce besides its losses: whether it got a
     signal, and on a logging step the bad records it has skipped so far (the sum is the
@@ -463,6 +456,13 @@ def rank_flags(stop, log_step, loader, ctx):
         skipped = data.skipped_records(loader.state_dict())
         flags["skipped"] = torch.full((), float(skipped), device=ctx.device)
     return flags
+
+
+def clip_gradients(model, args, ctx):
+    """Clip the gradients' global norm to --grad-clip. Returns the norm on rank 0 and 0 on the
+    others: the step's all-reduce sums what every rank adds, and this is the same on all."""
+    norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+    return norm if ctx.rank == 0 else torch.zeros_like(norm)
 
 
 def scored_tokens(batch):
