@@ -266,19 +266,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
     state, why = run_state(exp_dir, args.resume_from)
     if state is None:
-        if (exp_dir / "hf").is_dir():  # (a run that is done writes hf/ last)
-            sys.exit(f"{exp_dir} holds what a finished run left (hf/, metrics.jsonl) but no "
-                     "checkpoint to go on from: its state.json and checkpoints/ are gone. "
-                     "Nothing was changed: start a new --experiment-name, or move those files "
-                     "away to train this name again from scratch.")
-        LOGGER.info(f"Starting {exp_dir} from scratch")
-        if args.task == "sft":  # the prompt layout follows the data (prompt_format)
-            config["prompt_format"] = data.sft_format(
-                args.dataset, slots=args.active_shards, epochs=args.epochs, seed=args.seed,
-                format=args.data_format, skip_bad_records=args.skip_bad_records)
-        state = {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
-                 "wandb_run_id": None, "config": config, "domain_tokens": {},
-                 "run_id": uuid.uuid4().hex}  # what marks its checkpoints as its own
+        state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
         # The checkpoint carries the config it was saved with: one copied in from another
@@ -302,6 +290,24 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def fresh_state(args, exp_dir, config):
+    """The run state of a run that starts from scratch; refused where a finished run left
+    its traces (hf/, metrics.jsonl) but no checkpoint (a user freed the disk)."""
+    if (exp_dir / "hf").is_dir():  # (a run that is done writes hf/ last)
+        sys.exit(f"{exp_dir} holds what a finished run left (hf/, metrics.jsonl) but no "
+                 "checkpoint to go on from: its state.json and checkpoints/ are gone. "
+                 "Nothing was changed: start a new --experiment-name, or move those files "
+                 "away to train this name again from scratch.")
+    LOGGER.info(f"Starting {exp_dir} from scratch")
+    if args.task == "sft":  # the prompt layout follows the data (prompt_format)
+        config["prompt_format"] = data.sft_format(
+            args.dataset, slots=args.active_shards, epochs=args.epochs, seed=args.seed,
+            format=args.data_format, skip_bad_records=args.skip_bad_records)
+    return {"global_step": 0, "epoch": 0, "tokens_seen": 0, "checkpoint": None,
+            "wandb_run_id": None, "config": config, "domain_tokens": {},
+            "run_id": uuid.uuid4().hex}  # what marks its checkpoints as its own
 
 
 def refuse_foreign_checkpoints(exp_dir, state):

@@ -97,8 +97,8 @@ def test_generate_and_init_from_rebuild_it_from_the_run(straight, project, tmp_p
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
     result = own(project, args_for(tmp_path, name="next", init_from=exp_dir, max_steps=2))
     assert result.returncode == 0, result.stderr
-    assert "tokens.weight" in torch.load(tmp_path / "next/checkpoints/step-000002/model.pt",
-                                         weights_only=True)
+    weights = tmp_path / "next/checkpoints/step-000002/model.pt"
+    assert "tokens.weight" in torch.load(weights, weights_only=True)
 
 
 def test_what_needs_transformers_refuses_at_start(straight, project, tmp_path):
