@@ -139,6 +139,10 @@ class ConfigMismatch(ValueError):
     """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
 
 
+class FilesChanged(ConfigMismatch):
+    """A saved state of Files whose shards are not those it read, or not of the same sizes."""
+
+
 def _rng_to_json(rng):
     """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
     global RNGs of torch, numpy and Python for a checkpoint.)"""
@@ -531,6 +535,11 @@ class Files(Stage):
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
                 msg = (f"shard {slot['url']}, {self.shards.position(slot)}: bad record: "
                        f"{type(e).__name__}: {e}")
+                if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
+                    raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: its "
+                                    "last line has no newline and is no whole record: the file "
+                                    "is still being written, or was cut short. Wait until it "
+                                    "is complete, or mend its end, and rerun") from e
                 if not self.skip_bad_records:
                     raise DataError(msg + " (skip_bad_records=True, train_llm.py "
                                     "--skip-bad-records, skips such records)") from e
@@ -575,9 +584,26 @@ class Files(Stage):
 
     # -- state -----------------------------------------------------------------------------
 
+    def _check_config(self, saved, ignore=()):
+        """The arguments, then the files: a change in the files is said as such."""
+        super()._check_config(saved, ignore=(*ignore, "urls", "split_plan"))
+        old, new = saved.get("urls", []), self.urls
+        if old != new:
+            added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
+            raise FilesChanged(
+                f"the shards it matches are not those the state was saved with: {len(old)} "
+                f"then, {len(new)} now" + (f"; new: {_few(added)}" if added else "") +
+                (f"; gone: {_few(gone)}" if gone else "") +
+                ("" if added or gone else "; the same ones in another order"))
+        if saved.get("split_plan") != self.plan:
+            plans = zip(new, saved.get("split_plan") or [None] * len(new), self.plan or [])
+            raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
+                               "size since the state was saved (they are cut into splits by "
+                               "their sizes)")
+
     def state_dict(self):
         return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
-                           slots=[dict(s) for s in self.slots])
+                           slots=[_saved(s) for s in self.slots])
 
     def load_state_dict(self, state):
         self._load(state)
@@ -615,6 +641,23 @@ class Files(Stage):
         other._files = []
         other.load_state_dict(state)  # also checks that the other arguments are ours
         return other
+
+def _few(urls):
+    return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+
+
+def _saved(slot):
+    """A slot as its state holds it: the row (record) a row format read last only as its
+    crc32 ("last_row"), computed here and not per row."""
+    slot = dict(slot)
+    if "_row" in slot:
+        slot["last_row"] = _row_crc(slot.pop("_row"))
+    return slot
+
+
+def _row_crc(record):
+    return _crc(json.dumps(record, sort_keys=True, default=str))
+
 
 def _check_formats(urls, format):
     """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet),
@@ -673,11 +716,7 @@ def _read_lines(slot, open_shard):
     with open_shard(url) as f:
         # A local shard's size goes into the state with the first line, and is checked on
         # every reopen: an offset into a file that has changed since points anywhere.
-        size = os.fstat(f.fileno()).st_size if "://" not in url else None
-        if slot.get("size") not in (None, size):
-            raise DataError(f"shard {url} changed since this run read it: {slot['size']} "
-                            f"bytes then, {size} now. Resuming would read from the wrong "
-                            "places: restore the file, or start a new run on the new data")
+        size = _check_size(f, slot)
         if "last" in slot:  # (states of older versions have no "last": not checked)
             _check_last_line(f, url, offset, *slot["last"])
         elif offset and url.endswith(_COMPRESSED):
@@ -701,6 +740,23 @@ def _read_lines(slot, open_shard):
             while offset < end and (text := f.readline()):
                 offset, line = offset + len(text), line + 1
                 yield text, {"offset": offset, "line": line, "last": [len(text), zlib.crc32(text)]}
+
+
+def _check_size(f, slot):
+    """A local shard's size, which must be the one the slot saw (if it saw one)."""
+    size = os.fstat(f.fileno()).st_size if "://" not in slot["url"] else None
+    if slot.get("size") not in (None, size):
+        raise DataError(f"shard {slot['url']} changed since this run read it: {slot['size']} "
+                        f"bytes then, {size} now. Resuming would read from the wrong places: "
+                        "restore the file, or start a new run on the new data")
+    return size
+
+
+def _changed_row(url, where):
+    return DataError(f"shard {url} changed since this run read it: its {where} is not the one "
+                     "it read there (rows added or edited before it). Resuming would read "
+                     "from the wrong places: restore the file, or start a new run on the new "
+                     "data")
 
 
 def _check_last_line(f, url, offset, length, crc):
@@ -731,26 +787,34 @@ def _read_up_to(f, url, offset):
 def _read_row_groups(slot, open_shard, required_fields):
     """A Parquet split, from the slot's row group and row. Only the footer and the row
     groups from there on are read."""
-    url = slot["url"]
+    url, first = slot["url"], slot["row_group"]
     with open_shard(url) as f:
+        size = _check_size(f, slot)  # (and the row read last, below: its crc)
         parquet = _parquet_file(f, url, required_fields)
         line, end = slot["line"], slot["end"]
-        for group in range(slot["row_group"], parquet.num_row_groups if end is None else end):
+        for group in range(first, parquet.num_row_groups if end is None else end):
             table = parquet.read_row_group(group)
-            for start in range(slot["row"] if group == slot["row_group"] else 0,
+            if group == first and slot["row"] and "last_row" in slot and _row_crc(
+                    table.slice(slot["row"] - 1, 1).to_pylist()[0]) != slot["last_row"]:
+                raise _changed_row(url, f"row {slot['row'] - 1} of row group {group}")
+            for start in range(slot["row"] if group == first else 0,
                                table.num_rows, 1024):  # to Python 1024 rows at a time
                 for row, record in enumerate(table.slice(start, 1024).to_pylist(), start):
                     line += 1
                     where = ((group, row + 1) if row + 1 < table.num_rows else (group + 1, 0))
-                    yield record, {"row_group": where[0], "row": where[1], "line": line}
+                    yield record, {"row_group": where[0], "row": where[1], "line": line,
+                                   "size": size, "_row": dict(record)}  # (a copy: stages add keys)
 
 
 def _read_array(slot, records):
     """A JSON-array split, from the slot's index; ``records`` is the whole array."""
-    end = len(records) if slot["end"] is None else slot["end"]
-    for index in range(slot["index"], end):
-        yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 -
-                               slot["index"]}
+    end, first = len(records) if slot["end"] is None else slot["end"], slot["index"]
+    if first and "last_row" in slot and (first > len(records) or _row_crc(
+            records[first - 1]) != slot["last_row"]):
+        raise _changed_row(slot["url"], f"record {first - 1}")
+    for index in range(first, end):
+        yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 - first,
+                               "_row": copy.copy(records[index])}
 
 
 def _parquet_file(f, url, required_fields):
@@ -1038,6 +1102,16 @@ class Sequence(Stage):
 # Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle
 # ----------------------------------------------------------------------------------------------
 
+def _crc(text):
+    """A document's crc32: what a resume checks it skips (Tokenize) or reads on from (Files)."""
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
+
+
+def _crcs(crcs, start=0):
+    """One crc32 of many documents' crc32s."""
+    return zlib.crc32(array.array("I", crcs).tobytes(), start)
+
+
 class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
 
@@ -1045,9 +1119,11 @@ class Tokenize(Stage):
     characters (the document that reaches it ends the batch), snapshots the upstream state
     *before* them and submits the batch to the pool; up to ``2 * num_threads`` batches are in
     flight, so the work ahead is bounded in characters, not only in documents. The state of a
-    sample is (snapshot before its batch, how many samples since it were handed out): on resume
-    the batch is read and tokenized again and those samples are skipped. That redoes at most
-    one batch of work and keeps state_dict() cheap, whatever the upstream is.
+    sample is (snapshot before its batch, how many samples since it were handed out, a crc32
+    of their texts): on resume the batch is read and tokenized again and those samples are
+    skipped, once their crc shows they are the ones handed out before (a shard changed since
+    is refused, not trained twice). That redoes at most one batch of work and keeps
+    state_dict() cheap, whatever the upstream is.
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
     the GIL: that is what lets threads use several cores. The backend's own thread pool is
@@ -1057,6 +1133,10 @@ class Tokenize(Stage):
     # Not in the config: where a batch ends does not change the stream (the skip of a state
     # carries on into the next batch), so states saved with other batches still resume exactly.
     BATCH_CHARS = 1 << 20
+    CHANGED = ("the data changed since this run read it: the documents read again after its "
+               "checkpoint are not the ones it trained on then (a shard was edited, or records "
+               "added before what it had read). Resuming would train on some documents twice "
+               "and skip others: restore the files, or start a new run on the new data")
 
     def __init__(self, src, tokenizer, *, column="text", num_threads=2, batch_size=64,
                  add_special_tokens=True, max_chars=None):
@@ -1079,8 +1159,10 @@ class Tokenize(Stage):
         self._pool = None
         self._inflight = collections.deque()  # (upstream state before the batch, future)
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
+        self._crcs = []                       # the crc32 of each sample's text in self._batch
         self._batch_state = None              # upstream state before self._batch
         self._skip = 0                        # samples of the first batch already consumed
+        self._skipped = (None, 0)             # (crc the skipped samples must have, theirs)
         self._exhausted = False
 
     def _encode(self, texts):
@@ -1095,10 +1177,6 @@ class Tokenize(Stage):
         if not isinstance(record.get(column), str):
             raise ValueError(f"field {column!r} is {type(record.get(column)).__name__}, not a "
                              f"string (keys: {sorted(record)})")
-
-    def n_pieces(self, record):
-        """How many pieces _pieces cuts a record into."""
-        return len(self._cut_points(record[self.column])) - 1
 
     def _cut_points(self, text):
         """Where a document is cut: every max_chars characters at most, at the last blank of
@@ -1143,7 +1221,7 @@ class Tokenize(Stage):
                 start, chars = i, 0
         for sample, sample_ids in zip(samples, ids):
             sample["input_ids"] = sample_ids
-        return samples
+        return samples, [_crc(s[self.column]) for s in samples]
 
     def _submit(self):
         state = self.src.state_dict()
@@ -1169,31 +1247,47 @@ class Tokenize(Stage):
             if not self._inflight:
                 raise StopIteration
             state, future = self._inflight.popleft()
-            self._batch = future.result()  # raises what the worker raised
+            self._batch, self._crcs = future.result()  # raises what the worker raised
             # A resumed skip may pass whole batches: one saved with bigger batches than these.
             self._batch_state, self._pos = state, min(self._skip, len(self._batch))
             self._skip -= self._pos
+            if self._skipped[0] is not None:
+                self._check_skipped()
         sample = self._batch[self._pos]
         self._pos += 1
         return sample
 
+    def _check_skipped(self):
+        """The samples a resume skipped must be those handed out before its checkpoint."""
+        want, got = self._skipped
+        self._skipped = (want, _crcs(self._crcs[:self._pos], got))
+        if self._skip == 0:
+            if self._skipped[1] != want:
+                raise DataError(self.CHANGED)
+            self._skipped = (None, 0)
+
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
-            return self._state(upstream=self.src.state_dict(), skip=self._skip)
-        return self._state(upstream=self._batch_state, skip=self._pos)
+            return self._state(upstream=self.src.state_dict(), skip=self._skip,
+                               crc=self._skipped[0])
+        return self._state(upstream=self._batch_state, skip=self._pos,
+                           crc=_crcs(self._crcs[:self._pos]))
 
     def load_state_dict(self, state):
         self._load(state)
         self._skip = state["skip"]
+        # (A state of an older version has no crc: its skip is not checked.)
+        self._skipped = (state.get("crc") if self._skip else None, 0)
 
     def reshard_state(self, olds, ctx):
         """Each old rank's upstream state, moved on past the documents (pieces) its consumer
         had been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
         ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
-        advanced = [self._advanced(old["upstream"], old["skip"]) for old in olds]
+        advanced = [self._advanced(old["upstream"], old["skip"], old.get("crc"))
+                    for old in olds]
         return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
 
-    def _advanced(self, state, n):
+    def _advanced(self, state, n, crc):
         """The upstream ``state`` (any old rank's) ``n`` documents (pieces) on: Files re-reads
         as that rank did, through copies of the stages between it and here. Those must be
         stages without state (Map, Filter): one with state of its own is refused by name."""
@@ -1210,11 +1304,16 @@ class Tokenize(Stage):
             for stage in reversed(between):  # from Files up, each reading the copy below
                 above = copy.copy(stage)
                 above.src, top = top, above
-            while n > 0:
-                n -= self.n_pieces(next(top))
-            if n < 0:
+            crcs = []
+            while len(crcs) < n:
+                text = next(top)[self.column]
+                points = self._cut_points(text)
+                crcs += [_crc(text[a:b]) for a, b in zip(points, points[1:])]
+            if len(crcs) > n:
                 raise ValueError("a rank stopped inside a document that Tokenize had cut into "
                                  "pieces (max_chars); resume on the same number of ranks")
+            if crc is not None and n and _crcs(crcs) != crc:
+                raise DataError(self.CHANGED)
             return top.state_dict()
         finally:
             reader.close()
@@ -1409,8 +1508,17 @@ class FormatInstructions(Stage):
         """What FormatInstructions needs of a record: for Files(check=...), which names shard
         and line."""
         if "messages" in record:
-            if not isinstance(record["messages"], list) or not record["messages"]:
+            messages = record["messages"]
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) for m in messages):
                 raise ValueError("'messages' must be a non-empty list of {role, content}")
+            if messages[-1].get("role") != "assistant":  # else the last turn trains as answer
+                raise ValueError(f"the last message is {messages[-1].get('role')!r}, not "
+                                 "'assistant': a chat record ends with the answer to learn")
+        elif "text" in record and "instruction" not in record:
+            raise ValueError("plain text ('text'), not instruction data: --task sft learns "
+                             "from 'instruction'/'output' or 'messages' records; plain text "
+                             "trains with --task pretrain")
         elif not isinstance(record.get("instruction"), str) or not isinstance(
                 record.get("output"), str):
             raise ValueError("an instruction record needs string fields 'instruction' and "

@@ -1,3 +1,4 @@
+import gzip
 import json
 import os
 import shutil
@@ -6,6 +7,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -16,6 +19,10 @@ sys.path.insert(0, ROOT)
 # One thread each: faster for a model this small, and the same float sums in every process.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 WORDS = ["<bos>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes over ~10 s (-m 'not slow' leaves it out)")
 
 
 def toy_tokenizer(same_bos_eos=False):
@@ -88,6 +95,23 @@ def copy_kit(dest, script="my_train.py", create_model=None):
         text = text[:start] + textwrap.dedent(create_model).strip() + text[end:]
     (dest / script).write_text(text)
     return dest / script
+
+
+def write_shard(path, records, row_group_size=2):
+    """Records as a shard of the kind its name says: JSON Lines, Parquet, or a JSON array
+    (.json, pretty-printed like Alpaca's alpaca_data.json); .gz compresses."""
+    path = str(path)
+    if path.endswith(".parquet"):
+        table = pyarrow.Table.from_pylist(records) if records else pyarrow.table({"text": []})
+        pyarrow.parquet.write_table(table, path, row_group_size=row_group_size)
+        return path
+    if ".json" in path and ".jsonl" not in path:
+        body = json.dumps(records, indent=4).encode()
+    else:
+        body = "".join(json.dumps(r) + "\n" for r in records).encode()
+    with open(path, "wb") as f:
+        f.write(gzip.compress(body, mtime=0) if path.endswith(".gz") else body)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import toy_tokenizer
+from conftest import toy_tokenizer, write_shard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_resume import run_with_cuts, take
@@ -234,6 +234,68 @@ def test_the_trainer_refuses_a_shard_replaced_by_a_same_size_shuffle(tmp_path, t
     assert "Traceback" not in result.stderr and "bad record" not in result.stderr
 
 
+@pytest.mark.parametrize("suffix", [".parquet", ".json"])
+def test_rows_added_before_what_was_read_are_refused_in_row_formats(tmp_path, suffix):
+    """A Parquet or JSON-array slot resumes at a row (record) index: 10 rows put before it
+    would shift every later read. The row read last is checked (its crc) when it reopens."""
+    records = [{"text": f"document {i}"} for i in range(40)]
+    url = write_shard(tmp_path / f"a{suffix}", records, row_group_size=16)
+    for n in (5, 16, 25):  # inside a row group, at its end, in the next
+        state = read_and_save(url, n)
+        write_shard(url, [{"text": f"new {i}"} for i in range(10)] + records,
+                    row_group_size=16)
+        message = resume_error(url, state)
+        assert "changed since this run read it" in message and "restore" in message, message
+        write_shard(url, records, row_group_size=16)
+        files = Files(url)
+        files.load_state_dict(state)
+        assert [r["text"] for r in files] == [r["text"] for r in records[n:]]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_a_change_inside_the_first_tokenizer_batch_is_refused(tmp_path, suffix):
+    """A checkpoint inside Tokenize's first batch of a shard saves Files before anything was
+    read (or before a switch to the next shard): the records skipped on resume are checked."""
+    records = [{"text": " ".join("abcdef"[(i + k) % 6] for k in range(i % 7 + 1))}
+               for i in range(32)]
+    urls = [write_shard(tmp_path / f"{k}{suffix}", records[16 * k:16 * k + 16],
+                        row_group_size=4) for k in range(2)]
+
+    def pipeline():
+        return Tokenize(Files(urls), TOY, num_threads=1, batch_size=24)
+    straight = take(pipeline(), 32)
+    for n, changed in ((5, 0), (20, 1)):  # in shard 0's first batch; past the switch to 1
+        first = pipeline()
+        take(first, n)
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        resumed = pipeline()
+        resumed.load_state_dict(state)
+        assert take(resumed, 32 - n) == straight[n:]
+        write_shard(urls[changed], [{"text": "a a"}] * 3 + records[16 * changed:][:16],
+                    row_group_size=4)
+        resumed = pipeline()
+        resumed.load_state_dict(state)
+        with pytest.raises(DataError, match="changed since this run read it"):
+            take(resumed, 32 - n)
+        write_shard(urls[changed], records[16 * changed:][:16], row_group_size=4)
+
+
+def test_a_half_written_last_line_is_no_bad_record(tmp_path):
+    """A shard still being appended to ends in a line without its newline: that is not a bad
+    record to skip (the advice would drop a good document), but a file not yet complete."""
+    path = tmp_path / "growing.jsonl"
+    path.write_text('{"text": "a b"}\n{"text": "c d"}\n{"text": "e')
+    for skip in (False, True):
+        with pytest.raises(DataError) as error:
+            list(Files(str(path), skip_bad_records=skip))
+        message = str(error.value)
+        assert "line 3" in message and "no newline" in message and "still being written" in \
+            message and "--skip-bad-records" not in message, message
+    path.write_text('{"text": "a b"}\n{"text": "c d"}')  # a complete last line without "\n"
+    assert [r["text"] for r in Files(str(path))] == ["a b", "c d"]
+
+
 # -- 3. Formats the CLI cannot name ------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["x.csv", "one.jsonl.orig"])
@@ -282,3 +344,27 @@ def test_chat_records_pass_with_a_chat_template(tmp_path):
     out = list(FormatInstructions(Files(url, check=check), tokenizer))
     assert [s["input_ids"] for s in out] == [[3, 4, 5, 6]]
     assert [s["labels"] for s in out] == [[-100, -100, 5, 6]]
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}z {% endif %}{{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}z {% endif %}"])
+def test_a_chat_record_not_ending_with_the_answer_is_a_bad_record(tmp_path, template):
+    """With or without a generation prompt in the template: never a traceback, never the
+    user's last turn trained as the answer; skipped with skip_bad_records."""
+    tokenizer = toy_tokenizer()
+    tokenizer.chat_template = template
+    asks = {"messages": CHAT["messages"] + [{"role": "user", "content": "e f"}]}
+    url = write_lines(tmp_path / "chat.jsonl", [json.dumps(CHAT), json.dumps(asks)])
+    check = FormatInstructions(None, tokenizer).check
+    with pytest.raises(DataError, match=f"shard {url}, line 2: bad record.*not 'assistant'"):
+        list(FormatInstructions(Files(url, check=check), tokenizer))
+    out = list(FormatInstructions(Files(url, check=check, skip_bad_records=True), tokenizer))
+    assert [s["labels"][-3:] for s in out] == [[-100, 5, 6]]  # only the record that ends so
+
+
+def test_plain_text_for_sft_is_said_to_be_no_instruction_data(tmp_path):
+    url = write_lines(tmp_path / "text.jsonl", [json.dumps({"text": "a b c"})])
+    with pytest.raises(DataError, match="plain text .* not instruction data.*--task pretrain"):
+        list(Files(url, check=FormatInstructions.check_record))

@@ -18,32 +18,16 @@ import pyarrow.parquet
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from conftest import write_shard as write
 from test_resume import records_per_split, run_with_cuts, split_capacity
 from test_train import ROOT, train, train_args
 from transformers import AutoTokenizer
 
 import data
 import train_llm
-from data import DataError, Files, SplitError
+from data import DataError, Files, FilesChanged, SplitError
 
 KINDS = [".jsonl", ".jsonl", ".jsonl.gz", ".parquet", ".json", ".json.gz"]
-
-
-def write(path, records, row_group_size=2):
-    """Records as a shard of the kind its name says: JSON Lines, Parquet, or a JSON array
-    (.json, pretty-printed like Alpaca's alpaca_data.json); .gz compresses."""
-    path = str(path)
-    if path.endswith(".parquet"):
-        table = pyarrow.Table.from_pylist(records) if records else pyarrow.table({"text": []})
-        pyarrow.parquet.write_table(table, path, row_group_size=row_group_size)
-        return path
-    if ".json" in path and ".jsonl" not in path:
-        body = json.dumps(records, indent=4).encode()
-    else:
-        body = "".join(json.dumps(r) + "\n" for r in records).encode()
-    with open(path, "wb") as f:
-        f.write(gzip.compress(body, mtime=0) if path.endswith(".gz") else body)
-    return path
 
 
 def corpus(directory, files, seed):
@@ -269,7 +253,7 @@ def test_the_cut_does_not_depend_on_the_world_size_and_a_changed_file_is_refused
     assert len(json.dumps(state)) < 3000  # small, readable: one entry per slot
     with open(url, "a") as f:
         f.write(json.dumps({"text": "appended"}) + "\n")
-    with pytest.raises(ValueError, match="split_plan"):
+    with pytest.raises(FilesChanged, match="changed size"):
         Files(url, repeat=True, n_active_shards=8).load_state_dict(state)
 
 
