@@ -676,6 +676,9 @@ def _check_formats(urls, format):
         if kind == "parquet" and url.endswith(_COMPRESSED):
             raise DataError(f"shard {url}: a Parquet file must be able to seek, so it "
                             "cannot be compressed as a whole (it compresses inside)")
+    if format and (other := [u for u in urls if shard_format(u) not in (None, format)]):
+        log.warning("format=%r (--data-format %s) reads %d shard(s) whose names say another "
+                    "format as %s: %s", format, format, len(other), format, _few(other))
 
 
 def _parse(data, kind, required_fields, check):
@@ -1740,6 +1743,7 @@ class Prefetch(Stage):
         self._stop = threading.Event()
         self._last_state = None  # state belonging to the last item handed out
         self._end = None         # the exception that ended the stream, raised again on next()
+        self._ahead = None       # the first item, taken from the queue by peek()
 
     def _produce(self):
         try:
@@ -1749,16 +1753,29 @@ class Prefetch(Stage):
         except Exception as e:  # StopIteration included: it ends the stream downstream too
             self._queue.put((None, None, e))
 
+    def _start(self):
+        if self._thread is None:
+            self._last_state = self.src.state_dict()
+            self._thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
+            self._thread.start()
+
+    def peek(self):
+        """Waits for the first item without handing it out, and raises what making it raised
+        (a shard changed since the state was saved, a bad record)."""
+        self._start()
+        if self._ahead is None:
+            self._ahead = self._queue.get()
+        if self._ahead[2] is not None and not isinstance(self._ahead[2], StopIteration):
+            raise self._ahead[2]
+
     def __next__(self):
         if self._end is not None:
             raise self._end
         if self._stop.is_set():
             raise RuntimeError("Prefetch: next() after close()")
-        if self._thread is None:
-            self._last_state = self.src.state_dict()
-            self._thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-            self._thread.start()
-        item, state, error = self._queue.get()
+        self._start()
+        item, state, error = self._ahead or self._queue.get()
+        self._ahead = None
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
@@ -1910,6 +1927,17 @@ class Mix(Stage):
 # ----------------------------------------------------------------------------------------------
 # Resuming on another number of ranks: reshard (DESIGN.md section 4)
 # ----------------------------------------------------------------------------------------------
+
+def first_read(pipeline):
+    """Has every Prefetch of ``pipeline`` make its first item, and raises what that raised:
+    a resume that is about to let things go (--resume-from) checks its data first."""
+    stages = [pipeline]
+    while stages:
+        stage = stages.pop()
+        if isinstance(stage, Prefetch):
+            stage.peek()
+        stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] if stage.src else []
+
 
 def reshard(pipeline, states):
     """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states

@@ -82,7 +82,7 @@ def main():
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizer, lr_scheduler, train_loader, args, ctx)
-    run.begin_training(args, world_size)  # forget what a killed run did after the checkpoint
+    run.begin_training(args, ctx, train_loader)  # forget what a killed run did after it
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
         utils.unwrap(model).compile()
 
@@ -167,6 +167,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     shipped = DEFAULT_DATA[args.task]  # the shipped sample data of the task
     args.dataset = shipped + "train-*.jsonl" if args.dataset is None else args.dataset
+    args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
     if args.sample_prompt is None:
         args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
@@ -350,7 +351,8 @@ def source(spec, args, rank, world_size, train, tokenizer=None):
     return data.source(spec, train=train, rank=rank, world_size=world_size,
                        slots=args.active_shards if train else 4, epochs=args.epochs,
                        seed=args.seed, sft=args.task == "sft", tokenizer=tokenizer,
-                       skip_bad_records=args.skip_bad_records, format=args.data_format)
+                       skip_bad_records=args.skip_bad_records,
+                       format=args.data_format if train or args.val_format else None)
 
 
 def validation_batches(args, tokenizer, domains, rank):

@@ -223,11 +223,24 @@ class Run:
     def __init__(self, exp_dir, rank, created, lock_file):
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
         self.state, self.training, self.first_step = None, False, 0
+        self.stepped = False  # this start has trained a step (signals then wait for its end)
 
-    def begin_training(self, args, world_size):
+    def begin_training(self, args, ctx, loader):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
         debris of unfinished saves), so that metrics.jsonl holds every step once, and record
-        this start in args.json. From here on a failure keeps the directory."""
+        this start in args.json. From here on a failure keeps the directory. --resume-from
+        lets later checkpoints go: every rank reads its data first (a changed shard fails)."""
+        world_size = ctx.world_size
+        if args.resume_from:
+            failed = None
+            try:
+                data.first_read(loader)
+            except data.DataError as e:
+                failed = e
+            if world_size > 1 and not all_ranks(failed is None, ctx.cpu_group) and not failed:
+                sys.exit(f"rank {ctx.rank}: stopped, as another rank's data failed its check")
+            if failed:
+                raise failed
         if self.rank == 0:
             discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
             record_args(self.dir / "args.json", args, world_size)
@@ -258,6 +271,8 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         lock_file = lock(exp_dir)
         log_to_file(exp_dir / "train.log", rank)
     RUN = run = Run(exp_dir, rank, created, lock_file)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
+        signal.signal(signum, stop_at_once)
     LOGGER.info(args)
     read_starts(exp_dir / "args.json")  # (a file edited by hand: refused now, not later)
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
@@ -512,6 +527,8 @@ def stop_on_signals():
     stop = threading.Event()
 
     def request_stop(signum, frame):
+        if RUN is not None and not RUN.stepped:
+            stop_at_once(signum, frame)
         LOGGER.warning(f"{signal.Signals(signum).name}: saving a checkpoint after this step")
         stop.set()
         signal.signal(signum, signal.SIG_DFL)
@@ -519,6 +536,13 @@ def stop_on_signals():
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     return stop
+
+
+def stop_at_once(signum, frame):
+    """A signal before this start's first step ends it at once, wherever it is (loading, or
+    filling a shuffle buffer): there is nothing to save yet."""
+    sys.exit(f"{signal.Signals(signum).name} before the first step: stopped. Rerun the same "
+             "command to go on from the last checkpoint.")
 
 
 def data_left(batches, step, args, ctx, loader, tokenizer):
@@ -581,7 +605,9 @@ def stop_if_diverged(stats, step, run, loader, writer):
 
 def past_first_step(step, run, args, ctx):
     """After this start's first step, which may be slow on some rank (compiling, loading),
-    collectives wait at most --dist-timeout: a hung rank then fails fast."""
+    collectives wait at most --dist-timeout: a hung rank then fails fast; and a signal waits
+    for the step in flight to end (before, it stops the start at once: stop_at_once)."""
+    run.stepped = True
     if step == run.first_step + 1 and ctx.distributed:
         set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
 
@@ -600,6 +626,7 @@ def cli(main):
     except SystemExit as e:  # a refusal (its paragraph) or a plain exit
         if isinstance(e.code, str):
             FILE_LOG.error(e.code)
+            tell_torchrun(e.code)
         if e.code:
             forget_failed_start()
         raise
@@ -609,6 +636,7 @@ def cli(main):
         forget_failed_start()
         if message is None or "--debug" in sys.argv[1:]:
             raise
+        tell_torchrun(message, cause=not peer_gone(e))
         sys.exit(message)
 
 
@@ -623,6 +651,9 @@ def expected_failure(error):
     else:
         stopped = "Stopped before training began" if before else \
             "Stopped before the first checkpoint"
+    if peer_gone(error):  # the rank that failed says why in its own paragraph
+        return (f"rank {os.environ.get('RANK', 0)}: stopped because another rank failed or "
+                "stopped answering (see its message; --debug shows this rank's traceback)")
     if isinstance(error, EXPECTED):
         where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
@@ -634,6 +665,31 @@ def expected_failure(error):
                 "run, stays the same. Or pass --activation-checkpointing, or a smaller "
                 "--seq-length.)")
     return None
+
+
+# How a collective fails on the ranks left when another rank exits or hangs: gloo says so in a
+# RuntimeError, NCCL (ncclRemoteError) and the TCP store in a torch.distributed.DistError.
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "timed out", "remote process exited")
+
+
+def peer_gone(error):
+    """Whether ``error`` is a collective that failed because another rank exited or hung."""
+    return int(os.environ.get("WORLD_SIZE", 1)) > 1 and isinstance(error, RuntimeError) and \
+        any(words in str(error).lower() for words in PEER_GONE)
+
+
+def tell_torchrun(message, cause=True):
+    """Under torchrun, ``message`` into this rank's error file: torchrun's table of failures,
+    printed last, then shows it (the earliest as the root cause) instead of a link to its docs.
+    A rank stopped by another's failure dates its entry a second later (torchrun's timestamps
+    are whole seconds), so that it is never taken for the cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    when = str(int(time.time()) + (0 if cause else 1))
+    if path:  # (the format of torch.distributed.elastic's ErrorHandler.record_exception)
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps(
+                {"message": {"message": message, "extraInfo": {"timestamp": when}}}))
 
 
 def forget_failed_start():
@@ -1649,11 +1705,16 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
         return self
 
     def __exit__(self, kind, error, traceback):
+        if isinstance(error, data.FilesChanged):  # the same flags, other files
+            sys.exit(f"Cannot resume from {self.dir}: the files of --dataset changed since it "
+                     f"was saved: {error}. Resuming would read the documents in another order "
+                     "than the run's: put the old files back (or give a --dataset pattern that "
+                     "matches only them), or train the new ones in a new --experiment-name. "
+                     "Nothing was changed.")
         if isinstance(error, data.ConfigMismatch):  # not damage: a flag that shapes the data
             sys.exit(f"Cannot resume from {self.dir}: its loader state was made with other "
                      f"data arguments. {error} (In train_llm.py flags: max_chars is "
-                     "--max-doc-chars, 0 for None; n_active_shards is --active-shards; urls "
-                     "and split_plan come from --dataset and the files it names.)")
+                     "--max-doc-chars, 0 for None; n_active_shards is --active-shards.)")
         if isinstance(error, data.DataError) or not isinstance(error, LOAD_ERRORS):
             return False
         if self.loaded and self.name.endswith(".pt"):  # the file is fine; the model differs

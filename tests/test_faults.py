@@ -313,7 +313,7 @@ def test_no_quiet_oddities(tmp_path, tiny_model):
     with open(docs, "a") as f:
         f.write(json.dumps({"text": "one more"}) + "\n")
     refused(train(train_args(tmp_path, tiny_model, name="edit", dataset=docs, max_steps=6,
-                             ckpt_freq=2)), "split_plan")
+                             ckpt_freq=2)), "files of --dataset changed", "changed size", docs)
 
 
 def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
@@ -430,3 +430,28 @@ def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_mo
     assert f"Resuming {tmp_path / 'run'} from checkpoints/{resumed}" in result.stderr
     again = torch.load(tmp_path / "run/checkpoints/step-000006/model.pt", weights_only=True)
     assert all(torch.equal(final[k], again[k]) for k in final)
+
+
+def test_a_signal_stops_a_run_that_is_still_starting(tmp_path, tiny_model):
+    """SIGTERM while the first batch is being read (here: from a server that accepts and never
+    answers, which would take minutes of timeouts and retries) ends the start at once."""
+    import signal
+    import socket
+
+    from test_train import start
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(120)
+    port = listener.getsockname()[1]
+    args = train_args(tmp_path, tiny_model, name="sig",
+                      dataset=f"http://127.0.0.1:{port}/{{0,1,2,3,4,5,6,7}}.jsonl")
+    proc = start(args, tmp_path / "log.txt")
+    try:
+        connection, _ = listener.accept()  # the run is now waiting for its first record
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        proc.kill()
+        listener.close()
+    log = (tmp_path / "log.txt").read_text()
+    assert "SIGTERM before the first step: stopped" in log and "Traceback" not in log, log
+    connection.close()

@@ -68,6 +68,25 @@ def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, ca
                         .state_dict())
 
 
+def test_resume_from_checks_the_data_before_it_lets_later_checkpoints_go(tmp_path, tiny_model):
+    """--resume-from step-000002 after the shards changed (same sizes, lines shuffled): refused
+    before the later checkpoints, metrics.jsonl or state.json are touched."""
+    lines = [json.dumps({"text": f"document {i} " + "a b c d " * (i % 5 + 1)}) for i in range(400)]
+    shards = [tmp_path / "data" / f"{k}.jsonl" for k in range(8)]
+    shards[0].parent.mkdir()
+    for k, shard in enumerate(shards):
+        shard.write_text("".join(line + "\n" for line in lines[50 * k:50 * k + 50]))
+    args = train_args(tmp_path, tiny_model, name="r", dataset=str(tmp_path / "data/*.jsonl"),
+                      max_steps=6, ckpt_freq=2, val_freq=2, keep_checkpoints=0)
+    assert train(args).returncode == 0
+    before = snapshot(tmp_path / "r")
+    for shard in shards:
+        shard.write_text("".join(line + "\n" for line in reversed(shard.read_text().split(
+            "\n")[:-1])))
+    refused(train([*args, "--resume-from", "step-000002"]), "changed since this run read it")
+    assert snapshot(tmp_path / "r") == before
+
+
 @pytest.mark.parametrize("name", ["", ".", "..", "/tmp/elsewhere", "a/../.."])
 def test_the_experiment_name_must_be_a_directory_inside_the_save_dir(name, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -375,6 +375,30 @@ def test_format_by_name_and_override(tmp_path):
         next(Files(str(tmp_path / "c.data"), format="parquet"))
 
 
+def test_a_format_that_overrides_a_name_is_warned_of(tmp_path, caplog):
+    """--data-format text on a glob that matched .jsonl files reads their JSON as text:
+    said, naming them, not done silently."""
+    (tmp_path / "a.jsonl").write_bytes(jsonl_bytes(documents(2)))
+    (tmp_path / "b.data").write_bytes(b"plain words\n")
+    texts = [r["text"] for r in Files(str(tmp_path / "*"), format="text")]
+    assert texts[-1] == "plain words" and texts[0].startswith("{")
+    assert "names say another format as text" in caplog.text and "a.jsonl" in caplog.text
+    assert "b.data" not in caplog.text
+
+
+def test_data_format_applies_to_the_users_files_not_the_shipped_validation_set(tmp_path,
+                                                                               tiny_model):
+    """Parquet shards whose names don't say so, read with --data-format parquet as advised:
+    the shipped validation set (JSON Lines) is still read as JSON Lines."""
+    rows = [{"text": f"Document {i}: " + "the kit reads rows " * 8} for i in range(200)]
+    (tmp_path / "train.bin").write_bytes(parquet_bytes(rows, 50))
+    result = train(train_args(tmp_path, tiny_model, name="pq", max_steps=2, val_freq=2,
+                              dataset=str(tmp_path / "train.bin"), data_format="parquet",
+                              active_shards=4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "val_loss" in metrics(tmp_path / "pq")[-1]
+
+
 def test_parquet_null_text_names_shard_and_row(tmp_path, caplog):
     path = tmp_path / "nulls.parquet"
     path.write_bytes(parquet_bytes([{"text": "a"}, {"text": None}, {"text": "c"}], 2))

@@ -6,19 +6,16 @@ rank reads its own part, and nothing is read twice in an epoch or dropped.
 """
 
 import collections
-import gzip
 import json
 import os
 import random
 import re
 import tempfile
 
-import pyarrow
-import pyarrow.parquet
 import pytest
+from conftest import write_shard as write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import write_shard as write
 from test_resume import records_per_split, run_with_cuts, split_capacity
 from test_train import ROOT, train, train_args
 from transformers import AutoTokenizer
