@@ -35,6 +35,7 @@ LOGGER = utils.LOGGER
 # The shipped defaults live next to this file, so the script runs from any directory.
 KIT = Path(__file__).resolve().parent
 DEFAULT_DATA = {"pretrain": f"{KIT}/data/sample/*/", "sft": f"{KIT}/data/sft/"}
+DEFAULT_TOKENIZER = f"{KIT}/assets/tokenizer"
 DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.path.join do?"}
 
 # The flags that decide what the next step computes (the data stream, the model, the update
@@ -167,6 +168,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     shipped = DEFAULT_DATA[args.task]  # the shipped sample data of the task
     args.dataset = shipped + "train-*.jsonl" if args.dataset is None else args.dataset
+    # A run from another's weights keeps that run's tokenizer, unless told otherwise.
+    args.tokenizer = args.tokenizer or utils.trained_tokenizer(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
     if args.sample_prompt is None:
@@ -619,8 +622,8 @@ def get_parser():
              "directories, URLs), a save_to_disk directory or a Hub name[:split] "
              "(default: the shipped data/sample/*/train-*.jsonl; --task sft: data/sft/)")
     add("--val-dataset", default=None, help="held-out data, the same forms as --dataset")
-    add("--tokenizer", default=f"{KIT}/assets/tokenizer",
-        help="Hugging Face tokenizer name or path (default: the shipped one)")
+    add("--tokenizer", default=None, help="Hugging Face tokenizer name or path (default: the "
+        "one --init-from was trained with, else the shipped one)")
     add("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
     add("--shuffle-buffer", type=at_least(1), default=1000, help="sequences shuffled (1: off)")
     add("--active-shards", type=at_least(1), default=8,

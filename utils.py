@@ -224,6 +224,7 @@ class Run:
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
         self.state, self.training, self.first_step = None, False, 0
         self.stepped = False  # this start has trained a step (signals then wait for its end)
+        self.moved = None  # (old, new) directory of the kit, if it moved since the last start
 
     def begin_training(self, args, ctx, loader):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
@@ -284,6 +285,8 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
+        run.moved = moved_kit(state, script)  # its files are read at the kit's new place
+        state = in_kit(state, run.moved)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
         check_unchanged(args, parser, fingerprint, config, state["config"],
@@ -291,7 +294,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
             check_unchanged(args, parser, fingerprint, config,
-                            json.loads(own.read_text())["config"],
+                            in_kit(json.loads(own.read_text()), run.moved)["config"],
                             f"{state['checkpoint']} was saved", world_size)
         run.state = state  # (a failed re-export below is said to keep the checkpoints)
         if is_done(args, exp_dir, state, why):
@@ -299,12 +302,29 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                 export_again_if_stale(exp_dir, state["checkpoint"])
             return None
     state["script"] = str(Path(script).resolve())
-    if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()):
+    if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()) and \
+            Path(state["run_dir"]).exists():  # (a run moved away keeps its wandb run)
         LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
         state["wandb_run_id"] = None  # (else `wandb sync` would merge the two curves)
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def moved_kit(state, script):
+    """(old, new) directory of the script, where the run was trained by the same script at a
+    place that is gone (the kit was moved or renamed), else None."""
+    old, new = Path(state.get("script") or script).parent, Path(script).resolve().parent
+    return (str(old), str(new)) if old != new and not old.exists() else None
+
+
+def in_kit(saved, moved):
+    """A saved state (run state, loader state) with the paths into the old place of the kit
+    moved to its new one: the shipped data, tokenizer and model resolve there now."""
+    if not moved:
+        return saved
+    old, new = (json.dumps(path + os.sep)[1:-1] for path in moved)
+    return json.loads(json.dumps(saved).replace(f'"{old}', f'"{new}'))
 
 
 def fresh_state(args, exp_dir, config):
@@ -396,9 +416,13 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
                      "and an elastic torchrun restarts the same command), or pick --batch-size "
                      "and --grad-accum so that it stays the same, or start a new "
                      "--experiment-name.")
+        gone = isinstance(value, str) and os.path.isabs(value) and not _matches(value)
         sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
                  f"{config.get(name)!r} now. Resuming would train a different run: pass "
-                 "the old value, or start a new --experiment-name.")
+                 "the old value, or start a new --experiment-name." + (
+                     " (Nothing is at the old place now: if its files moved, link the old "
+                     "place to the new one, `ln -s NEW OLD`, and pass the old value.)"
+                     if gone else ""))
 
 
 def export_again_if_stale(exp_dir, checkpoint):
@@ -1146,6 +1170,13 @@ def check_model(model, tokenizer, args):
     if config is not None:
         config.use_cache = False  # training never reads a KV cache: none is built
     vocab = getattr(config, "vocab_size", None)
+    trained = trained_tokenizer(args.init_from) if args.init_from else None
+    if trained and trained != args.tokenizer and tokenizer.get_vocab() != pretrained(
+            type(tokenizer), trained, "the tokenizer of --init-from").get_vocab():
+        sys.exit(f"--tokenizer {args.tokenizer} is not the tokenizer that --init-from "
+                 f"{args.init_from} was trained with ({trained}): their tokens differ, so its "
+                 "weights would read other words. Leave --tokenizer out (a run from another's "
+                 "weights uses that run's tokenizer), or pass that one.")
     if vocab and len(tokenizer) > vocab:
         sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only {vocab} "
                  "embeddings: pick a matching --model-name.")
@@ -1186,12 +1217,29 @@ def find_checkpoint(path):
     return path / state["checkpoint"]
 
 
+def trained_tokenizer(path):
+    """The tokenizer that a run, checkpoint or Hugging Face directory was trained with (a path
+    or Hub name), or None where ``path`` is none of those (load_trained then says why)."""
+    if not path:
+        return None
+    if not Path(path).exists() or (Path(path) / "config.json").exists():
+        return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
+    try:
+        return kit_path(json.loads((find_checkpoint(path) / "state.json").read_text())[
+            "config"]["tokenizer"])
+    except (OSError, ValueError, KeyError, SystemExit):
+        return None
+
+
 def checkpoint_weights(ckpt_dir):
     """The model's full state dict in a checkpoint: model.pt, or the model part of the DCP
     shards that --fsdp writes (merged here into one file first, then loaded)."""
     if (ckpt_dir / "model.pt").exists():
         return load(ckpt_dir / "model.pt", "cpu")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    metadata = ckpt_dir / "dcp" / ".metadata"
+    if not metadata.is_file():  # (dcp would print tracebacks first, on the root logger)
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
         return load(Path(tmp) / "full.pt", "cpu")["model"]
@@ -1211,7 +1259,24 @@ def load_trained(path, script=None):
         what = "run, checkpoint or Hugging Face model"
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
-    ckpt_dir = find_checkpoint(path)
+    for _ in range(5):  # a run still training there may delete the checkpoint meanwhile
+        ckpt_dir = find_checkpoint(path)
+        try:
+            model, config = checkpoint_model(ckpt_dir, script)
+            break
+        except OSError:
+            if not deleted_meanwhile(ckpt_dir, path):
+                raise
+    else:
+        raise OSError(f"{path}: its newest checkpoint was deleted while it was read, 5 times "
+                      "running: the run training there saves faster than one loads. Give it "
+                      "--keep-checkpoints 2 or more, or try again once it has finished.")
+    tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
+    return model, tokenizer, config
+
+
+def checkpoint_model(ckpt_dir, script=None):
+    """(the model of a checkpoint directory, with its weights; the run's config)."""
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
     if config.get("init_from") and not script:  # the architecture it started from
@@ -1233,8 +1298,20 @@ def load_trained(path, script=None):
         raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
                       f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
                       "damaged: put back the create_model that trained it.") from e
-    tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
-    return model, tokenizer, config
+    return model, config
+
+
+def deleted_meanwhile(ckpt_dir, path):
+    """Whether ``ckpt_dir``, which failed to load, was deleted as it was read by the run still
+    training there (keep-k renames it *.deleted, then removes it): it is not damaged, and the
+    run directory ``path`` names a newer one now. A checkpoint named by itself is just gone."""
+    if ckpt_dir.is_dir():
+        return False
+    if ckpt_dir == path:
+        raise OSError(f"{path} was deleted while it was read: the run training there keeps "
+                      "only its newest checkpoints (--keep-checkpoints). Pass the run directory, "
+                      f"{path.parent.parent}, to load its newest.")
+    return find_checkpoint(path) != ckpt_dir
 
 
 def rebuild_model(script, config, ckpt_dir):
@@ -1682,7 +1759,7 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
         """This rank's loader state; on another number of ranks, the states of all the ranks
         that saved, merged by data.reshard (no document skipped or repeated)."""
         saved_world, ctx = self.run.state.get("world_size", 1), self.ctx
-        states = [json.loads(self.path(LOADER_FILE.format(r)).read_text())
+        states = [in_kit(json.loads(self.path(LOADER_FILE.format(r)).read_text()), self.run.moved)
                   for r in ([ctx.rank] if saved_world == ctx.world_size else range(saved_world))]
         self.loaded = True
         if saved_world == ctx.world_size:  # (a changed --batch-size is fine: Batch has no state)

@@ -129,3 +129,26 @@ def test_a_changed_create_model_is_told_apart_from_damage(straight, project, tin
     finally:
         script.write_text(text)
     assert "is damaged" not in result.stderr + resume.stderr
+
+
+def test_a_moved_kit_resumes_its_runs_with_the_same_command(tiny_model, tmp_path):
+    """The whole kit (shipped data and tokenizer included) moved to another directory between
+    two starts: the run resumes there from the same command, with the shipped files at their
+    new place, and goes on as a run that never moved."""
+    old = copy_kit(tmp_path / "kit", script="train_llm.py").parent
+    for name in ("assets", "data"):
+        subprocess.run(["cp", "-r", f"{ROOT}/{name}", str(old / name)], check=True)
+    args = train_args(tmp_path / "runs", tiny_model, max_steps=2, ckpt_freq=2, val_freq=2)
+    first = run_in(old, "train_llm.py", args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    new = old.rename(tmp_path / "moved-kit")
+    more = [*args, "--max-steps=4"]
+    resumed = run_in(new, "train_llm.py", more)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming" in resumed.stderr
+    straight = run_in(new, "train_llm.py", [*more, "--experiment-name=straight"])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / "runs" / name /
+                                                      "metrics.jsonl").read_text().splitlines()]
+              for name in ("run", "straight")]
+    assert losses[0] == losses[1]

@@ -422,6 +422,31 @@ def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
         assert "is done: its data ran out" in run(args, ranks=2).stderr
 
 
+@pytest.mark.slow
+def test_the_failing_ranks_paragraph_is_said_last_and_the_others_stop_quietly(tiny_model,
+                                                                               tmp_path):
+    """A bad record in the shard only rank 1 reads (2 slots: one shard each): rank 1's
+    paragraph, naming the shard and line, comes after anything rank 0 says (torchrun's table
+    of failures repeats it as the root cause), and rank 0, whose collective fails when rank 1
+    exits, prints no traceback. torchrun's own traceback, around its table, is the only one."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus / "train", [300, 300], words=29)  # neither rank reaches the other's
+    shard = corpus / "train/train-001.jsonl"
+    lines = shard.read_text().splitlines(keepends=True)
+    shard.write_text("".join([*lines[:2], '{"text": 5}\n', *lines[3:]]))
+    write_corpus(corpus / "val", [10], words=29)
+    word_tokenizer().save_pretrained(corpus / "tokenizer")
+    result = subprocess.run(command(args_for(tmp_path, tiny_model, corpus, active_shards=2), 2),
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    err = result.stderr
+    paragraph = f"DataError: shard {shard}, line 3: bad record"
+    assert result.returncode != 0 and paragraph in err, err[-3000:]
+    tail = err[err.rindex(paragraph):]  # from where it is said last: nothing of rank 0
+    assert "rank 0:" not in tail and "local_rank: 0" not in tail, err
+    assert err.count("Traceback") == err.count("raise ChildFailedError("), err
+    assert "Connection closed" not in err and "[rank0]:" not in err, err
+
+
 def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):
     """FSDP2 on CPU with gloo: a run killed and resumed equals one that was not, and its first
     step equals DDP's up to float rounding (same data, same math)."""

@@ -365,6 +365,32 @@ def test_paths_that_do_not_exist_are_one_paragraph(four_steps, tmp_path, tiny_mo
     refused(result, missing, "no such file or directory")
 
 
+def test_a_run_from_another_runs_weights_keeps_that_runs_tokenizer(four_steps, tmp_path,
+                                                                    tiny_model):
+    """four_steps trained with another tokenizer (the shipped one with two ids swapped): the
+    SFT run from it uses that one unless told otherwise, and refuses one that differs."""
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(ROOT / "assets/tokenizer", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    pre = train(train_args(tmp_path, tiny_model, name="pre", max_steps=2, ckpt_freq=2,
+                           tokenizer=str(other)))
+    assert pre.returncode == 0, pre.stderr[-2000:]
+    args = train_args(tmp_path, tiny_model, name="sft", max_steps=1, task="sft", seq_length=64,
+                      init_from=str(tmp_path / "pre"))
+    result = train(args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state = json.loads((tmp_path / "sft/state.json").read_text())
+    assert state["config"]["tokenizer"] == str(other)
+    refused(train([*train_args(tmp_path, tiny_model, name="sft2", max_steps=1, task="sft",
+                               seq_length=64, init_from=str(tmp_path / "pre")),
+                   f"--tokenizer={ROOT / 'assets/tokenizer'}"]),
+            "is not the tokenizer that --init-from", str(other))
+
+
 def test_a_damaged_newest_checkpoint_points_generate_and_init_from_to_the_older_one(
         four_steps, tmp_path, tiny_model, capsys, monkeypatch):
     exp = copy_run(four_steps, tmp_path)
