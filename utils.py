@@ -506,9 +506,15 @@ class MetricsLog:
             self.wandb = wandb
             # The run id is kept in state.json, so a resumed run continues the same curve.
             # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
-            state["wandb_run_id"] = wandb.init(
-                project=args.wandb_project, name=args.experiment_name, id=state["wandb_run_id"],
-                resume="allow", dir=exp_dir, config=vars(args), mode=args.wandb).id
+            try:
+                state["wandb_run_id"] = wandb.init(
+                    project=args.wandb_project, name=args.experiment_name,
+                    id=state["wandb_run_id"], resume="allow", dir=exp_dir, config=vars(args),
+                    mode=args.wandb).id
+            except wandb.errors.Error as e:  # no login, no network: before any step is lost
+                sys.exit(f"--wandb {args.wandb}: Weights & Biases did not start ({e}). Log in "
+                         "(`wandb login`), or train with --wandb offline and upload the run "
+                         "later with `wandb sync`.")
 
     def write(self, metrics):
         if self.file:

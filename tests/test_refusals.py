@@ -4,6 +4,7 @@ to do. Data-level faults (a changed shard, one huge document, formats) are in
 test_data_faults.py.
 """
 
+import argparse
 import json
 import logging
 import os
@@ -478,3 +479,16 @@ def test_a_log_file_that_cannot_be_written_says_so_once(capsys):
     err = capsys.readouterr().err
     assert "Logging error" not in err and "Traceback" not in err
     assert err.count("cannot write /dev/full") == 1
+
+
+def test_wandb_online_without_a_login_is_one_paragraph(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    args = argparse.Namespace(wandb="online", wandb_project="p", experiment_name="e",
+                              max_steps=3)
+    state = {"global_step": 0, "wandb_run_id": None}
+    with pytest.raises(SystemExit) as stop:
+        utils.MetricsLog(tmp_path, args, state, rank=0)
+    assert "Weights & Biases did not start" in str(stop.value) and "wandb login" in str(
+        stop.value) and "--wandb offline" in str(stop.value)
