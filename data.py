@@ -116,6 +116,8 @@ class Stage:
         ahead passes ``upstream=`` itself: the state that belongs to its last item handed out.
         (The key order is the order in the JSON files: keep it.)"""
         state = {"config": self.config, **fields}
+        if set(fields) - {"upstream"} and type(self).reshard_state is Stage.reshard_state:
+            state["cannot_reshard"] = type(self).__name__  # (said at start: reshard_blockers)
         if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
         return state
@@ -1166,6 +1168,16 @@ class Tokenize(Stage):
         self._batch_state = None              # upstream state before self._batch
         self._skip = 0                        # samples of the first batch already consumed
         self._skipped = (None, 0)             # (crc the skipped samples must have, theirs)
+        # A stage with state between Files and here cannot reshard (see _advanced): said so.
+        below = src
+        while getattr(below, "src", None) is not None:  # (down to the source)
+            if type(below).state_dict is not Stage.state_dict:
+                self._blocked = {"cannot_reshard": f"{type(below).__name__} (between Files "
+                                                   "and Tokenize)"}
+                break
+            below = below.src
+        else:
+            self._blocked = {}
         self._exhausted = False
 
     def _encode(self, texts):
@@ -1272,9 +1284,9 @@ class Tokenize(Stage):
     def state_dict(self):
         if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
             return self._state(upstream=self.src.state_dict(), skip=self._skip,
-                               crc=self._skipped[0])
+                               crc=self._skipped[0], **self._blocked)
         return self._state(upstream=self._batch_state, skip=self._pos,
-                           crc=_crcs(self._crcs[:self._pos]))
+                           crc=_crcs(self._crcs[:self._pos]), **self._blocked)
 
     def load_state_dict(self, state):
         self._load(state)
@@ -1937,6 +1949,21 @@ def first_read(pipeline):
         if isinstance(stage, Prefetch):
             stage.peek()
         stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] if stage.src else []
+
+
+def reshard_blockers(state):
+    """The stages of a saved loader state (any rank's) that cannot move to another number of
+    ranks: a stage that keeps state but has no reshard_state, or one that keeps state between
+    Files and Tokenize. A resume checks this at its start, before anything is built."""
+    found, todo = [], [state]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            found += [item["cannot_reshard"]] if "cannot_reshard" in item else []
+            todo += item.values()
+        elif isinstance(item, list):
+            todo += item
+    return sorted(set(found))
 
 
 def reshard(pipeline, states):

@@ -55,16 +55,14 @@ def main():
     args = parse_args()
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1.
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    # The run directory: locked, logged to, checked against the flags it was started with;
-    # run.state says where to resume from. None: the run is done already.
+    # The run directory (locked, checked against its flags, where to resume); None: it is done.
     run = utils.open_run(args, get_parser(), FINGERPRINT, rank, world_size, script=__file__)
     if run is None:
         return
     state = run.state
 
     ctx = init_distributed(args, rank, world_size)
-    # Every global RNG a library may draw from (torch's seeds CUDA too): the same initial
-    # weights on every rank. A resumed run then restores the states its checkpoint saved.
+    # Every global RNG (torch's seeds CUDA too): the same initial weights on every rank.
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -74,6 +72,9 @@ def main():
     model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
     optimizer = build_optimizer(model, args, ctx.device)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, args) / args.lr)
+    # Training state of your own, in every checkpoint and restored on resume: name -> object
+    # with state_dict() and load_state_dict() (README, "Changing the kit": an EMA).
+    extra = {}
 
     domains, weights, mixer = mixture(args)  # ([], None, None) without --mix/--odm
     train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
@@ -82,7 +83,7 @@ def main():
     val_batches = validation_batches(args, tokenizer, domains, rank)
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
-        load_checkpoint(run, model, optimizer, lr_scheduler, train_loader, args, ctx)
+        load_checkpoint(run, model, optimizer, lr_scheduler, extra, train_loader, args, ctx)
     run.begin_training(args, ctx, train_loader)  # forget what a killed run did after it
     if args.compile:  # in place, so state_dict() keys stay those of the plain model
         utils.unwrap(model).compile()
@@ -90,7 +91,7 @@ def main():
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     stop = utils.stop_on_signals()  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
-    save = functools.partial(save_checkpoint, run, model, optimizer, lr_scheduler,
+    save = functools.partial(save_checkpoint, run, model, optimizer, lr_scheduler, extra,
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]))
@@ -138,9 +139,8 @@ def main():
             if domains:
                 metrics |= mixing_metrics(stats, domains, probabilities, mixer, state, args)
             if log_step:
-                metrics |= speed_metrics(timers, (step - last_log_step) * tokens_per_step,
+                metrics |= speed_metrics(timers, stats, (step - last_log_step) * tokens_per_step,
                                          flops_per_token, ctx)
-                metrics["data/skipped"] = int(stats["skipped"])
                 last_log_step = step
             if step % args.val_freq == 0 or step == args.max_steps or stats["stop"]:
                 metrics |= validate()
@@ -330,8 +330,13 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
-    """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item."""
-    pipe = source(urls, args, rank, world_size, train, tokenizer)
+    """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item.
+    Rank r of W reads only slots r, r + W, ... of --active-shards: nothing it would throw away."""
+    pipe = data.source(urls, train=train, rank=rank, world_size=world_size,
+                       slots=args.active_shards if train else 4, epochs=args.epochs,
+                       seed=args.seed, sft=args.task == "sft", tokenizer=tokenizer,
+                       skip_bad_records=args.skip_bad_records,
+                       format=args.data_format if train or args.val_format else None)
     if args.task == "sft":
         # One instruction-answer pair per sample, its prompt masked out of the labels, whole
         # samples packed into sequences (never split; position ids restart at each).
@@ -346,16 +351,6 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
     if train:
         pipe = data.Shuffle(pipe, args.shuffle_buffer, seed=args.seed)
     return pipe
-
-
-def source(spec, args, rank, world_size, train, tokenizer=None):
-    """The documents of --dataset (or --val-dataset), see data.source. Rank r of W reads only
-    slots r, r + W, ... of --active-shards: nothing it would throw away."""
-    return data.source(spec, train=train, rank=rank, world_size=world_size,
-                       slots=args.active_shards if train else 4, epochs=args.epochs,
-                       seed=args.seed, sft=args.task == "sft", tokenizer=tokenizer,
-                       skip_bad_records=args.skip_bad_records,
-                       format=args.data_format if train or args.val_format else None)
 
 
 def validation_batches(args, tokenizer, domains, rank):
@@ -377,35 +372,41 @@ def validation_batches(args, tokenizer, domains, rank):
 
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
 
-def load_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx):
+def load_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ctx):
     """Everything save_checkpoint wrote, the RNG states last (after all else has drawn from
     them). A file that does not load ends the run in one paragraph (utils.read_checkpoint)."""
     with utils.read_checkpoint(run, ctx) as ckpt:
         if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
             model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optimizer": optim_state},
-                     checkpoint_id=ckpt.path("dcp"))
+            states = {"model": model_state, "optimizer": optim_state,
+                      **{name: obj.state_dict() for name, obj in extra.items()}}
+            dcp.load(states, checkpoint_id=ckpt.path("dcp"))
             set_state_dict(model, optimizer, model_state_dict=model_state,
                            optim_state_dict=optim_state)
         else:
             utils.unwrap(model).load_state_dict(ckpt.load("model.pt"))
             optimizer.load_state_dict(ckpt.load("optimizer.pt"))
+            states = {name: ckpt.load_extra(name) for name in extra}  # (rank 0's, on every rank)
+        for name, obj in extra.items():
+            obj.load_state_dict(states[name])
         lr_scheduler.load_state_dict(ckpt.load("lr_scheduler.pt"))
         ckpt.load_loader(loader)  # on another number of ranks, all ranks' states merged
         utils.set_rng_state(ckpt.load_rng())
 
 
-def save_checkpoint(run, model, optimizer, lr_scheduler, loader, args, ctx, writer):
-    """What a checkpoint holds: rank 0's model, optimizer and schedule (with FSDP each rank's
-    shards, through torch.distributed.checkpoint), and every rank's RNG and loader state.
-    utils.save_checkpoint writes them so that a kill at any instant leaves a whole one."""
+def save_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ctx, writer):
+    """What a checkpoint holds: rank 0's model, optimizer, schedule and ``extra`` (NAME.pt; with
+    FSDP each rank's shards, through torch.distributed.checkpoint), every rank's RNG and loader
+    state. utils.save_checkpoint writes them so that a kill at any instant leaves a whole one."""
     files = {utils.RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
              utils.LOADER_FILE.format(ctx.rank): loader.state_dict()}
     if args.fsdp:  # this rank's shards
         files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+        files["dcp"] |= {name: obj.state_dict() for name, obj in extra.items()}
     elif ctx.rank == 0:
         files["model.pt"] = utils.unwrap(model).state_dict()
         files["optimizer.pt"] = optimizer.state_dict()
+        files |= {f"{name}.pt": obj.state_dict() for name, obj in extra.items()}
     if ctx.rank == 0:
         files["lr_scheduler.pt"] = lr_scheduler.state_dict()
     utils.save_checkpoint(run, files, writer, keep=args.keep_checkpoints, rank=ctx.rank)
@@ -487,8 +488,7 @@ def forward(model, batch, device):
     """The logits of a batch and the token ids they are scored against: every token, or with
     --task sft the ``labels`` (prompt and padding -100). Packed samples bring ``position_ids``
     that restart at each; transformers then masks attention per sample, but only without a KV
-    cache (use_cache=False). For a model that ignores them, use data.Pad instead of data.Pack.
-    """
+    cache (use_cache=False). For a model that ignores them, use data.Pad instead of data.Pack."""
     # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     positions = batch.get("position_ids")
@@ -528,15 +528,15 @@ def mixing_metrics(stats, domains, probabilities, mixer, state, args):
     return metrics
 
 
-def speed_metrics(timers, tokens, flops_per_token, ctx):
-    """Throughput since the last call (``tokens`` trained by all ranks meanwhile), the share of
-    it spent waiting for data, MFU (per GPU; None without a known peak) and memory."""
+def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
+    """Throughput since the last call (``tokens`` by all ranks), the share of it spent waiting
+    for data, MFU (per GPU; None without a known peak), memory, bad records skipped so far."""
     seconds = {name: timer.pop() for name, timer in timers.items()}
     tokens_per_s = tokens / sum(seconds.values())  # all ranks together
     peak = utils.peak_flops(ctx.device)
     mfu = flops_per_token * tokens_per_s / ctx.world_size / peak if peak else None
     return {"tokens_per_s": tokens_per_s, "data_wait": seconds["data"] / sum(seconds.values()),
-            "mfu": mfu, **utils.memory_stats(ctx.device)}
+            "mfu": mfu, **utils.memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
 
 
 def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format=None):

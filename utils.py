@@ -287,6 +287,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         refuse_foreign_checkpoints(exp_dir, state)
         run.moved = moved_kit(state, script)  # its files are read at the kit's new place
         state = in_kit(state, run.moved)
+        refuse_reshard(exp_dir, state, world_size)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
         check_unchanged(args, parser, fingerprint, config, state["config"],
@@ -309,6 +310,22 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def refuse_reshard(exp_dir, state, world_size):
+    """A resume on another number of ranks, of a data pipeline with a stage whose state cannot
+    be split across ranks, is refused now, before anything is built (data.reshard_blockers)."""
+    saved = state.get("world_size", 1)
+    try:
+        loader = json.loads((exp_dir / state["checkpoint"] / LOADER_FILE.format(0)).read_text())
+    except (OSError, ValueError):  # (read_checkpoint says what is wrong with it)
+        return
+    if saved != world_size and (blockers := data.reshard_blockers(loader)):
+        sys.exit(f"Cannot resume on {world_size} rank(s) what {saved} saved: the data "
+                 f"pipeline's {', '.join(blockers)} keeps state that cannot be split across "
+                 f"ranks. Resume on {saved} rank(s), or give the stage a reshard_state (a stage "
+                 "between Files and Tokenize must keep none: put it after Tokenize); DESIGN.md "
+                 "section 4. Nothing was changed.")
 
 
 def moved_kit(state, script):
@@ -1237,29 +1254,45 @@ def trained_tokenizer(path):
         return None
 
 
-def checkpoint_weights(ckpt_dir):
+def checkpoint_weights(ckpt_dir, weights="model"):
     """The model's full state dict in a checkpoint: model.pt, or the model part of the DCP
-    shards that --fsdp writes (merged here into one file first, then loaded)."""
-    if (ckpt_dir / "model.pt").exists():
-        return load(ckpt_dir / "model.pt", "cpu")
+    shards that --fsdp writes (merged here into one file first, then loaded). ``weights``
+    names another state of the checkpoint that holds the model's weights (an EMA's, saved
+    as ema.pt by train_llm.py's ``extra``)."""
+    if (ckpt_dir / f"{weights}.pt").exists():
+        return own_weights(load(ckpt_dir / f"{weights}.pt", "cpu"))
+    if weights != "model" and not (ckpt_dir / "dcp").is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"no {weights}.pt (--weights {weights})",
+                                str(ckpt_dir / f"{weights}.pt"))
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     metadata = ckpt_dir / "dcp" / ".metadata"
     if not metadata.is_file():  # (dcp would print tracebacks first, on the root logger)
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
-        return load(Path(tmp) / "full.pt", "cpu")["model"]
+        return own_weights(load(Path(tmp) / "full.pt", "cpu")[weights])
 
 
-def load_trained(path, script=None):
+def own_weights(state):
+    """Model weights in a state of your own: torch.optim.swa_utils.AveragedModel (an EMA)
+    saves the model's as "module.NAME", beside its count "n_averaged"."""
+    if "n_averaged" in state:
+        return {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
+    return state
+
+
+def load_trained(path, script=None, weights="model"):
     """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
     directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
     as a run's hf/) or a Hub name. The model is float32, on the CPU. A checkpoint's model is
     built by the create_model of the script that trained the run (rebuild_model), or of
-    ``script`` if given."""
+    ``script`` if given; ``weights`` picks another set of its weights (see checkpoint_weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
+        if weights != "model":
+            raise OSError(f"{path} is a Hugging Face model: it holds one set of weights; "
+                          f"--weights {weights} reads a run's or a checkpoint's")
         record = path / EXPORT_MARKER  # what hf/ says about the run that made it
         config = json.loads(record.read_text()) if record.exists() else None
         what = "run, checkpoint or Hugging Face model"
@@ -1268,7 +1301,7 @@ def load_trained(path, script=None):
     for _ in range(5):  # a run still training there may delete the checkpoint meanwhile
         ckpt_dir = find_checkpoint(path)
         try:
-            model, config = checkpoint_model(ckpt_dir, script)
+            model, config = checkpoint_model(ckpt_dir, script, weights)
             break
         except OSError:
             if not deleted_meanwhile(ckpt_dir, path):
@@ -1281,7 +1314,7 @@ def load_trained(path, script=None):
     return model, tokenizer, config
 
 
-def checkpoint_model(ckpt_dir, script=None):
+def checkpoint_model(ckpt_dir, script=None, weights="model"):
     """(the model of a checkpoint directory, with its weights; the run's config)."""
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
@@ -1293,13 +1326,15 @@ def checkpoint_model(ckpt_dir, script=None):
         model = rebuild_model(script, config, ckpt_dir)
         builder = f"create_model of {script}"
     try:
-        weights = checkpoint_weights(ckpt_dir)
+        state = checkpoint_weights(ckpt_dir, weights)
     except LOAD_ERRORS as e:
-        name = "model.pt" if (ckpt_dir / "model.pt").exists() else "dcp"
+        name = f"{weights}.pt" if (ckpt_dir / f"{weights}.pt").exists() else "dcp"
+        if isinstance(e, FileNotFoundError) and weights != "model":  # not damage: not there
+            raise OSError(f"{ckpt_dir} holds no weights named {weights!r} ({e.strerror})") from e
         advice = " Pass it instead." if older_checkpoint(ckpt_dir) else ""
         raise OSError(damaged(ckpt_dir, ckpt_dir / name, e) + advice) from e
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(state)
     except RuntimeError as e:  # the weights loaded: the model built is another one
         raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
                       f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
@@ -1778,6 +1813,16 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
             sys.exit(f"Cannot resume on {ctx.world_size} ranks what {saved_world} saved: {e}")
         LOGGER.info(f"Data of {saved_world} rank(s) moved to {ctx.world_size}: no document "
                     f"skipped or repeated; {report}")
+
+    def load_extra(self, name):
+        """The state of your own saved as NAME.pt (extra in train_llm.py), refused by name if
+        the checkpoint was saved before it was added."""
+        if not self.path(f"{name}.pt").exists():
+            sys.exit(f"Cannot resume from {self.dir}: it holds no {name}.pt, the training state "
+                     f"'{name}' that this script adds (it was saved without it). Resume with the "
+                     "script that saved it, or start a new --experiment-name (--init-from "
+                     f"{self.dir} keeps the weights). Nothing was changed.")
+        return self.load(f"{name}.pt", "cpu")
 
     def load_rng(self):
         """This rank's RNG states (a rank that did not exist when it was saved: rank 0's)."""

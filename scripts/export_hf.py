@@ -32,9 +32,14 @@ def main():
     parser.add_argument("--script", default=None,
                         help="the training script whose create_model builds the model "
                              "(default: the one the run recorded)")
+    parser.add_argument("--weights", default="model",
+                        help="which weights of a checkpoint: model, or a training state of "
+                             "your own that holds the model's (e.g. ema: README, Changing the "
+                             "kit)")
     args = parser.parse_args()
     source = args.checkpoint or args.run_dir
-    model, tokenizer, config = utils.load_trained(source, script=args.script)
+    model, tokenizer, config = utils.load_trained(source, script=args.script,
+                                                  weights=args.weights)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "

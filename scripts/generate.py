@@ -41,9 +41,14 @@ def main():
     parser.add_argument("--script", default=None,
                         help="the training script whose create_model builds the model "
                              "(default: the one the run recorded)")
+    parser.add_argument("--weights", default="model",
+                        help="which weights of a checkpoint: model, or a training state of "
+                             "your own that holds the model's (e.g. ema: README, Changing the "
+                             "kit)")
     args = parser.parse_args()
 
-    model, tokenizer, config = utils.load_trained(args.model, script=args.script)
+    model, tokenizer, config = utils.load_trained(args.model, script=args.script,
+                                                  weights=args.weights)
     model.to(args.device).eval()
     layout = None if args.no_template else utils.prompt_format(config)  # as it was trained
     print(utils.prompt_text(tokenizer, args.prompt, layout)

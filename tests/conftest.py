@@ -81,10 +81,10 @@ def refused(result, *words):
         assert word in result.stderr, (word, result.stderr[-2000:])
 
 
-def copy_kit(dest, script="my_train.py", create_model=None):
+def copy_kit(dest, script="my_train.py", create_model=None, edits=()):
     """The kit as a learner copies it into a project: train_llm.py (renamed ``script``),
     data.py and utils.py in ``dest``, without assets/ or data/; ``create_model``, source
-    text, replaces the script's create_model."""
+    text, replaces the script's create_model; ``edits``: (old, new) text replaced once."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("data.py", "utils.py"):
         shutil.copy(Path(ROOT) / name, dest / name)
@@ -93,6 +93,9 @@ def copy_kit(dest, script="my_train.py", create_model=None):
         start = text.index("def create_model(args):")
         end = text.index("\n\n\ndef ", start)
         text = text[:start] + textwrap.dedent(create_model).strip() + text[end:]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
     (dest / script).write_text(text)
     return dest / script
 

@@ -29,7 +29,6 @@ from test_resume import run_with_cuts
 from test_train import ROOT, kill_at, metrics, resumed_steps, start, train, train_args
 
 import data
-import train_llm
 from data import DataError, Files, HFDataset, Take
 
 BUCKET = "kit-data"
@@ -552,12 +551,11 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
 
     real = datasets.load_dataset
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    args = train_llm.get_parser().parse_args(["-e", "x"])
     for spec in ["tatsu-lab/alpaca", "someone/corpus:test"]:
-        source = train_llm.source(spec, args, 0, 1, train=True)
+        source = data.source(spec, train=True)
         assert isinstance(source, HFDataset) and source.streaming
         assert [r["doc"] for r in Take(source, 7)] == [0, 1, 2, 3, 4, 0, 1]  # repeats
-    train_llm.source("tatsu-lab/alpaca", args, 0, 1, train=False)  # --val-dataset
+    data.source("tatsu-lab/alpaca", train=False)  # --val-dataset
     assert calls == [("tatsu-lab/alpaca", "train", True), ("someone/corpus", "test", True),
                      ("tatsu-lab/alpaca", "validation", True)]
     (tmp_path / "odd:name.jsonl").write_bytes(jsonl_bytes(documents(2)))
@@ -569,7 +567,7 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
     for spec in ["data/sample", "data/sample/*/train-*.jsonl", "s3://bucket/x-{0..1}.jsonl",
                  str(tmp_path / "a.jsonl"), str(tmp_path / "odd:name.jsonl"),
                  "data/missing-{0..1}.jsonl"]:
-        assert type(train_llm.source(spec, args, 0, 1, train=False)) is Files
+        assert type(data.source(spec, train=False)) is Files
     monkeypatch.undo()
 
     def offline(*args, **kwargs):
@@ -577,4 +575,4 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="'data/trian' is no local file, pattern or URL, and "
                                          "reading it as a Hugging Face dataset"):
-        train_llm.source("data/trian", args, 0, 1, train=True)
+        data.source("data/trian", train=True)

@@ -1,0 +1,79 @@
+"""Training state of your own (train_llm.py's ``extra``): an EMA of the weights, added as the
+README's "Changing the kit" shows, is in every checkpoint, comes back exactly after a kill,
+is refused by name where a checkpoint lacks it, and generate.py/export_hf.py read its weights."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ENV, ROOT, copy_kit, kill_at, refused, train_args
+
+import utils
+
+EMA = """    extra = {}
+    ema = AveragedModel(utils.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    optimizer.register_step_post_hook(lambda *_: ema.update_parameters(utils.unwrap(model)))
+    extra["ema"] = ema
+"""
+IMPORT = "from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn\n"
+SHIPPED = {"tokenizer": f"{ROOT}/assets/tokenizer",
+           "dataset": f"{ROOT}/data/sample/*/train-*.jsonl",
+           "val_dataset": f"{ROOT}/data/sample/*/val-*.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return copy_kit(tmp_path_factory.mktemp("ema"), script="train_llm.py", edits=[
+        ("    extra = {}\n", EMA), ("import data\n", IMPORT + "\nimport data\n")])
+
+
+def args_for(save_dir, tiny_model, name, **overrides):
+    return train_args(save_dir, tiny_model, name=name, **{
+        "max_steps": 8, "ckpt_freq": 2, "val_freq": 4, "sample_tokens": 0, **SHIPPED,
+        **overrides})
+
+
+def start(script, args, log):
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, str(script), *args], cwd=script.parent,
+                                env=ENV, stdout=out, stderr=subprocess.STDOUT)
+
+
+def run(script, args):
+    return subprocess.run([sys.executable, str(script), *args], cwd=script.parent, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_an_ema_of_the_weights_resumes_exactly_after_a_kill(project, tiny_model, tmp_path):
+    straight = run(project, args_for(tmp_path, tiny_model, "straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start(project, args_for(tmp_path, tiny_model, "killed"), tmp_path / "log")
+    kill_at(proc, tmp_path / "killed", 5)
+    resumed = run(project, args_for(tmp_path, tiny_model, "killed"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in ("ema.pt", "model.pt"):
+        a, b = (utils.load(tmp_path / run_name / "checkpoints/step-000008" / name, "cpu")
+                for run_name in ("straight", "killed"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    ema = utils.load(tmp_path / "straight/checkpoints/step-000008/ema.pt", "cpu")
+    model = utils.load(tmp_path / "straight/checkpoints/step-000008/model.pt", "cpu")
+    assert int(ema["n_averaged"]) == 8
+    assert not all(torch.equal(ema[f"module.{k}"], v) for k, v in model.items())
+    # generate.py and export_hf.py read the EMA's weights with --weights ema.
+    loaded = utils.load_trained(tmp_path / "straight", weights="ema")[0].state_dict()
+    assert all(torch.equal(loaded[k], ema[f"module.{k}"]) for k in model)
+    out = subprocess.run([sys.executable, "scripts/generate.py", str(tmp_path / "straight"),
+                          "--prompt", "The", "--max-new-tokens", "3", "--weights", "ema"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("The"), out.stderr[-2000:]
+
+
+def test_a_checkpoint_without_the_state_is_refused_by_name(project, tiny_model, tmp_path):
+    """A run saved by the plain script, resumed by the one that adds an EMA: not damage, and
+    not a fresh EMA in the middle of a run: refused, naming the state."""
+    plain = copy_kit(tmp_path / "plain", script="train_llm.py")
+    first = run(plain, args_for(tmp_path, tiny_model, "r", max_steps=2))
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused(run(project, args_for(tmp_path, tiny_model, "r", max_steps=4)), "holds no ema.pt",
+            "'ema'", "Nothing was changed")
