@@ -2113,6 +2113,14 @@ def find_domains(pattern, like=None):
     return {name: f"{root}/{name}/{rest}" for name in names}
 
 
+def natural_sizes(pattern):
+    """{domain: bytes of its files, as stored}: what drawing from all the domains' documents
+    at once (plain concatenation) samples in proportion to (--mix natural). Bytes, not tokens:
+    known without reading the data; a compressed domain counts its compressed bytes."""
+    return {name: sum(os.path.getsize(url) for url in expand_urls(shards))
+            for name, shards in find_domains(pattern).items()}
+
+
 def domain_weights(domains, given=None):
     """The mixture's initial weights in the order of ``domains``, summing to 1: ``given``
     ({domain: weight >= 0}, every domain once), or uniform."""

@@ -76,7 +76,7 @@ def main():
     # with state_dict() and load_state_dict() (README, "Changing the kit": an EMA).
     extra = {}
 
-    domains, weights, mixer = mixture(args)  # ([], None, None) without --mix/--odm
+    domains, weights, mixer = mixture(args, state)  # ([], None, None) without --mix/--odm
     train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
                                   weights=weights, mixer=mixer,
                                   pin_memory=ctx.device.type == "cuda")
@@ -294,15 +294,16 @@ def get_lr(step, args):
 
 # --- Data -------------------------------------------------------------------------------------
 
-def mixture(args):
+def mixture(args, state):
     """Mixing domains (--mix, --odm): (domains, initial weights, mixer), or ([], None, None).
-    The domains are the directories that the first * of --dataset stands for. With --odm the
-    mixture follows the per-domain losses (a bandit: data.OnlineMixer), else the --mix weights
-    (uniform if --mix is not given)."""
+    The domains are the directories that the first * of --dataset stands for. --odm follows the
+    per-domain losses (a bandit: data.OnlineMixer) from the --mix weights (uniform if not given;
+    natural: measured when the run started, kept in its state)."""
     if not args.mix and args.odm == "off":
         return [], None, None
     domains = list(data.find_domains(args.dataset))
-    weights = data.domain_weights(domains, utils.parse_mix(args.mix) if args.mix else None)
+    given = state["config"].get("mix_weights") or args.mix and utils.parse_mix(args.mix)
+    weights = data.domain_weights(domains, given or None)
     mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
                              warmup_steps=args.odm_warmup_steps) if args.odm != "off" else None
     return domains, weights, mixer
@@ -315,8 +316,7 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
     Training reads --active-shards shards at a time, round-robin, forever (or --epochs passes)
     in a seeded order, and shuffles chunks in a buffer. Validation reads its shards once. With
     ``weights`` each domain has a pipeline, prefetched in the background, and Mix draws each
-    sequence's domain; it follows the losses, so Mix and Batch run in the training thread.
-    """
+    sequence's domain; it follows the losses, so Mix and Batch run in the training thread."""
     if weights is not None:
         pipes = {name: sequences(pattern, tokenizer, args, rank, world_size, train)
                  for name, pattern in data.find_domains(urls).items()}
@@ -529,8 +529,8 @@ def mixing_metrics(stats, domains, probabilities, mixer, state, args):
 
 
 def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
-    """Throughput since the last call (``tokens`` by all ranks), the share of it spent waiting
-    for data, MFU (per GPU; None without a known peak), memory, bad records skipped so far."""
+    """Throughput since the last call (``tokens`` by all ranks), the share of it waiting for
+    data, MFU (per GPU; None without a known peak), memory, bad records skipped."""
     seconds = {name: timer.pop() for name, timer in timers.items()}
     tokens_per_s = tokens / sum(seconds.values())  # all ranks together
     peak = utils.peak_flops(ctx.device)
@@ -688,7 +688,7 @@ def get_parser():
     add = parser.add_argument_group("mixing domains").add_argument
     add("--mix", default=None, metavar="NAME=W,...", type=utils.mix_weights,
         help="mix the domains of --dataset (the directories its first * stands for) with these "
-             "weights, e.g. code=0.4,docstrings=0.3,prose=0.2,reference=0.1")
+             "weights (e.g. code=0.4,prose=0.6), or natural: by the bytes of their files")
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
         help="Online Data Mixing: move the mixture toward domains whose loss stays high")
     add("--odm-warmup-steps", type=at_least(0), default=50, help="steps before ODM adapts")

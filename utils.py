@@ -143,8 +143,10 @@ def parse_mix(text):
 
 
 def mix_weights(text):
-    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint)."""
-    parse_mix(text)
+    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint);
+    "natural" weighs each domain by its size, measured when the run starts (fresh_state)."""
+    if text != "natural":
+        parse_mix(text)
     return text
 
 
@@ -353,6 +355,12 @@ def fresh_state(args, exp_dir, config):
                  "Nothing was changed: start a new --experiment-name, or move those files "
                  "away to train this name again from scratch.")
     LOGGER.info(f"Starting {exp_dir} from scratch")
+    if args.mix == "natural":  # measured once: the run keeps these weights on every resume
+        sizes = data.natural_sizes(args.dataset)
+        config["mix_weights"] = {name: n / sum(sizes.values()) for name, n in sizes.items()}
+        LOGGER.info("--mix natural, by the bytes of each domain's files (as stored): " +
+                    ", ".join(f"{name} {weight:.4f} ({sizes[name] / 1e6:.2f} MB)"
+                              for name, weight in config["mix_weights"].items()))
     if args.task == "sft":  # the prompt layout follows the data (prompt_format)
         config["prompt_format"] = data.sft_format(
             args.dataset, slots=args.active_shards, epochs=args.epochs, seed=args.seed,
@@ -418,7 +426,7 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
     that ``saved`` lacks (added to the script after the run started) counts as its default."""
     saved = {name: parser.get_default(name) for name in fingerprint} | saved
     for name, value in saved.items():
-        if name == "prompt_format":  # found in the data, which --dataset already pins
+        if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
             continue
         if isinstance(value, str) and local_path(value) == config.get(name) != value:
             setattr(args, name, value)

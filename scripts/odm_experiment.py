@@ -1,13 +1,18 @@
-"""Uniform mixing vs Online Data Mixing (exp3, smoothed-mean) on the sample corpus's domains.
+"""Online Data Mixing against the data's natural mixture and against uniform weights, on the
+sample corpus's four domains.
 
-    python scripts/odm_experiment.py                 # 9 runs of the tiny model, ~12 min on 2 cores
-    python scripts/odm_experiment.py --steps 100 --seeds 0   # a smoke run
+    python scripts/odm_experiment.py                          # 12 runs of the tiny model
+    python scripts/odm_experiment.py --steps 100 --seeds 0    # a smoke run
 
-Each variant trains the tiny model from the same start with the same per-domain pipelines;
-only the sampling probabilities differ. The score is the one of the ODM paper: how many steps
-a variant needs to reach the uniform run's final mean validation loss (the mean over domains
-of each domain's validation loss), per seed. It also times OnlineMixer.update against a
-training step, and draws the probabilities over time (odm_probabilities.png).
+Every variant trains the tiny model from the same start on the same per-domain pipelines; only
+the sampling probabilities differ: natural (--mix natural: each domain by the bytes of its
+files, what reading all domains at once samples), uniform (--mix with equal weights), and ODM
+(--odm exp3, --odm smoothed-mean, starting from uniform). Scored as the ODM paper scores (Albalak
+et al., 2023): the steps a variant needs to reach a baseline's final mean validation loss (the
+mean over domains of each domain's validation loss), per seed, against each baseline. The seeds'
+spread is shown so that a difference inside it reads as none; the final validation loss of each
+domain shows what a mixture that helps the mean costs the largest domain. It also times
+OnlineMixer.update against a training step, and draws the probabilities over time.
 """
 
 import argparse
@@ -28,11 +33,14 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 
 DOMAINS = ["code", "docstrings", "prose", "reference"]
-VARIANTS = {"uniform": ["--mix", ",".join(f"{d}=1" for d in DOMAINS)],
+VARIANTS = {"natural": ["--mix", "natural"],
+            "uniform": ["--mix", ",".join(f"{d}=1" for d in DOMAINS)],
             "exp3": ["--odm", "exp3"], "smoothed-mean": ["--odm", "smoothed-mean"]}
+BASELINES = ["natural", "uniform"]
 
 
 def run(variant, seed, args):
+    """The validation rows of one run (trained unless a finished one is there)."""
     name = f"{variant}-seed{seed}"
     exp_dir = args.out / name
     if not (exp_dir / "state.json").exists() or json.loads(
@@ -40,7 +48,7 @@ def run(variant, seed, args):
         subprocess.run([sys.executable, "train_llm.py", f"--experiment-name={name}",
                         f"--save-dir={args.out}", f"--seed={seed}", f"--max-steps={args.steps}",
                         f"--val-freq={args.val_freq}", f"--log-freq={args.val_freq}",
-                        f"--val-batches={args.val_batches}",
+                        f"--val-batches={args.val_batches}", "--sample-tokens=0",
                         f"--odm-warmup-steps={args.warmup}", f"--ckpt-freq={args.steps}",
                         "--wandb=disabled", *VARIANTS[variant]],
                        cwd=ROOT, check=True, capture_output=True)
@@ -49,6 +57,33 @@ def run(variant, seed, args):
 
 def mean_val(row):
     return statistics.mean(row[f"val_loss/{d}"] for d in DOMAINS)
+
+
+def spread(values):
+    """mean ± standard deviation over seeds (± 0 for one seed)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.4f} ± {sd:.4f}"
+
+
+def steps_to(rows, target, steps):
+    """The first validated step whose mean validation loss is at most ``target``."""
+    hit = next((r["step"] for r in rows if "val_loss" in r and mean_val(r) <= target + 1e-9),
+               None)
+    return str(hit) if hit else f">{steps}"
+
+
+def verdict(results, variant, baseline):
+    """Whether variant's final mean validation loss differs from baseline's by more than the
+    seeds' spread (twice the larger standard deviation)."""
+    a, b = ([mean_val([r for r in rows if "val_loss" in r][-1]) for rows in results[v].values()]
+            for v in (variant, baseline))
+    diff = statistics.mean(a) - statistics.mean(b)
+    noise = 2 * max(statistics.stdev(a), statistics.stdev(b)) if len(a) > 1 else 0.0
+    word = "lower" if diff < 0 else "higher"
+    inside = abs(diff) <= noise
+    return (f"{variant} vs {baseline}: final mean val loss {abs(diff):.4f} {word}; "
+            + ("inside the seeds' spread (±" if inside else "beyond the seeds' spread (±")
+            + f"{noise:.4f}): " + ("no difference at this scale" if inside else "a difference"))
 
 
 def main():
@@ -62,19 +97,30 @@ def main():
     args = parser.parse_args()
 
     results = {v: {s: run(v, s, args) for s in args.seeds} for v in VARIANTS}
-    print(f"{args.steps} steps of 8 x 128 tokens, validation every {args.val_freq}, "
-          f"ODM warm-up {args.warmup}, seeds {args.seeds}\n")
-    print("| variant | final mean val loss (per seed) | steps to uniform's final (per seed) |")
-    print("|---|---|---|")
+    print(f"{args.steps} steps of 8 x 128 tokens, validation every {args.val_freq} "
+          f"({args.val_batches} batches per domain), ODM warm-up {args.warmup}, seeds "
+          f"{args.seeds}\n")
+    print("| variant | final mean val loss (mean ± sd) | steps to natural's final | "
+          "steps to uniform's final |")
+    print("|---|---|---|---|")
     for variant, runs in results.items():
-        finals, reach = [], []
-        for seed, rows in runs.items():
-            target = mean_val([r for r in results["uniform"][seed] if "val_loss" in r][-1])
-            vals = [r for r in rows if "val_loss" in r]
-            finals.append(f"{mean_val(vals[-1]):.4f}")
-            hit = next((r["step"] for r in vals if mean_val(r) <= target + 1e-9), None)
-            reach.append(str(hit) if hit else f">{args.steps}")
-        print(f"| {variant} | {' / '.join(finals)} | {' / '.join(reach)} |")
+        finals = [mean_val([r for r in rows if "val_loss" in r][-1]) for rows in runs.values()]
+        reach = {b: " / ".join(steps_to(rows, mean_val([r for r in results[b][seed]
+                                                         if "val_loss" in r][-1]), args.steps)
+                               for seed, rows in runs.items()) for b in BASELINES}
+        print(f"| {variant} | {spread(finals)} | {reach['natural']} | {reach['uniform']} |")
+    print("\nFinal validation loss per domain (mean ± sd over seeds):\n")
+    print("| variant | " + " | ".join(DOMAINS) + " |")
+    print("|---|" + "---|" * len(DOMAINS))
+    for variant, runs in results.items():
+        cells = [spread([[r for r in rows if "val_loss" in r][-1][f"val_loss/{d}"]
+                         for rows in runs.values()]) for d in DOMAINS]
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+    print()
+    for variant in ("exp3", "smoothed-mean", "uniform"):
+        for baseline in BASELINES:
+            if variant != baseline:
+                print(verdict(results, variant, baseline))
 
     # The mixer's cost: its update against a training step of these runs (median step time).
     mixer = data.OnlineMixer([1] * len(DOMAINS), variant="exp3")
