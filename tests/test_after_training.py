@@ -1,19 +1,27 @@
-"""After training: the hf/ export, scripts/export_hf.py, scripts/generate.py, --init-from."""
+"""After training: the hf/ export (the last checkpoint's weights, written again when a kill or
+a full disk cut it short, never over what the kit did not write), scripts/export_hf.py,
+scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."""
 
 import json
-import runpy
+import resource
 import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_train import (
+from helpers import (
+    ENV,
     ROOT,
     assert_same_run,
+    copy_run,
     kill_at,
     metrics,
+    refused,
     resumed_steps,
+    script,
+    snapshot,
     start,
     train,
     train_args,
@@ -35,13 +43,6 @@ def run_dir(tmp_path_factory, tiny_model):
 def logits(model, ids):
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
-
-
-def script(name, argv, capsys, monkeypatch):
-    """Run scripts/NAME.py in this process (no start-up cost); what it printed."""
-    monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
-    runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__")
-    return capsys.readouterr().out
 
 
 def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeypatch):
@@ -101,7 +102,7 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged_the_newer_one_load
             (ckpt / "model.pt").unlink()
     read = utils.checkpoint_weights
 
-    def keep_k_meanwhile(ckpt_dir):  # step 15: step 5's weights, as write_checkpoint leaves it
+    def keep_k_meanwhile(ckpt_dir, *args):  # step 15: step 5's weights, as keep-k leaves it
         if ckpt_dir.name == "step-000010" and ckpt_dir.exists():
             newer = shutil.copytree(ckpts / "step-000005", ckpts / "step-000015")
             state = {**json.loads((ckpt_dir / "state.json").read_text()), "global_step": 15,
@@ -109,7 +110,7 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged_the_newer_one_load
             for path in (newer / "state.json", run / "state.json"):
                 path.write_text(json.dumps(state))
             shutil.rmtree(ckpt_dir.rename(ckpt_dir.with_name(ckpt_dir.name + ".deleted")))
-        return read(ckpt_dir)
+        return read(ckpt_dir, *args)
 
     monkeypatch.setattr(utils, "checkpoint_weights", keep_k_meanwhile)
     got = utils.load_trained(run)[0].state_dict()
@@ -178,28 +179,101 @@ def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir
     assert log.count("Starting") == 1 and log.count("Resuming") == 1 and "Done: 30" in log
 
 
-def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(tmp_path,
-                                                                                tiny_model):
-    shard = tmp_path / "bad.jsonl"  # read by the first step: a failure once training began
-    shard.write_text('{"text": "a b c"}\n' * 3 + "not json\n")
-    result = train(train_args(tmp_path, tiny_model, dataset=shard))
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "bad.jsonl" in result.stderr and "before the first checkpoint" in result.stderr
-    log = (tmp_path / "run/train.log").read_text()
-    assert "bad.jsonl" in log and "Traceback" in log
+def weights(directory):
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
 
 
-def test_a_start_that_fails_before_training_leaves_nothing_and_says_so(tmp_path, tiny_model):
-    result = train(train_args(tmp_path / "runs", tiny_model, dataset=tmp_path / "missing.jsonl"))
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "missing.jsonl" in result.stderr and "nothing was kept" in result.stderr
-    assert "last checkpoint" not in result.stderr
-    assert not (tmp_path / "runs").exists()
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_wandb_project_defaults_to_the_environment(monkeypatch):
-    import train_llm
-    monkeypatch.setenv("WANDB_PROJECT", "mine")
-    assert train_llm.parse_args(["-e", "x"]).wandb_project == "mine"
-    monkeypatch.delenv("WANDB_PROJECT")
-    assert train_llm.parse_args(["-e", "x"]).wandb_project == "train-llm"
+def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, capsys,
+                                                        monkeypatch):
+    """`export_hf.py RUN --out DIR` where DIR is not an export of the kit (the directory of
+    every run under outputs/, a run itself, its checkpoints): refused, nothing changed."""
+    exp = copy_run(four_steps, tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    for out in (tmp_path, exp, exp / "checkpoints"):
+        with pytest.raises(SystemExit) as exit_:
+            script("export_hf", [exp, "--out", out], capsys, monkeypatch)
+        assert "is not an export of this kit" in str(exit_.value.code), out
+    assert snapshot(tmp_path) == before
+    # An earlier export, and the debris of a killed one, are replaced.
+    out = tmp_path / "export"
+    script("export_hf", [exp, "--out", out], capsys, monkeypatch)
+    (tmp_path / "export.tmp").mkdir()
+    (tmp_path / "export.tmp" / utils.EXPORT_MARKER).write_text("{}")
+    script("export_hf", [exp, "--checkpoint", exp / "checkpoints/step-000002", "--out", out],
+           capsys, monkeypatch)
+    assert not (tmp_path / "export.tmp").exists()
+    assert same_weights(weights(out), utils.load_trained(exp / "checkpoints/step-000002")[0]
+                        .state_dict())
+
+
+def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps, tmp_path,
+                                                                     tiny_model):
+    """What a kill during the end-of-run export of a resumed run leaves: the previous end's
+    hf/ (of step 2) and a half-written hf.tmp. The rerun that says "is done" writes hf/ of the
+    last checkpoint. (No hf/ at all: see the full-disk test below.)"""
+    exp = copy_run(four_steps, tmp_path)
+    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+    shutil.rmtree(exp / "hf")
+    model, tokenizer, config = utils.load_trained(exp / "checkpoints/step-000002")
+    utils.save_hf(exp / "hf", model, tokenizer, config, checkpoint="checkpoints/step-000002")
+    (exp / "hf" / utils.EXPORT_MARKER).unlink()  # as a kill while deleting it could leave it
+    (exp / "hf.tmp").mkdir()  # debris of an export that wrote its marker last
+    (exp / "hf.tmp" / "config.json").write_text("{}")
+    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000002")
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert result.returncode == 0, result.stderr
+    assert "is done" in result.stderr and "exporting it again" in result.stderr
+    assert not (exp / "hf.tmp").exists()
+    assert same_weights(weights(exp / "hf"),
+                        utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
+    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+
+
+def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, tiny_model):
+    exp = copy_run(four_steps, tmp_path)
+    shutil.rmtree(exp / "hf")
+    limit = (exp / "checkpoints/step-000004/model.pt").stat().st_size // 2
+
+    def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(
+        [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
+                                                     max_steps=4)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+    refused(result, f"writing {exp / 'hf'} failed", "GiB free on that disk")
+    assert not (exp / "hf").exists() and not (exp / "hf.tmp").exists()
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert result.returncode == 0 and "exporting it again" in result.stderr, result.stderr
+    assert same_weights(weights(exp / "hf"),
+                        utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
+
+
+def test_a_run_from_another_runs_weights_keeps_that_runs_tokenizer(tmp_path, tiny_model):
+    """A run ("pre") trained with another tokenizer (the shipped one with two ids swapped): the
+    SFT run from it uses that one unless told otherwise, and refuses one that differs."""
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(ROOT / "assets/tokenizer", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    pre = train(train_args(tmp_path, tiny_model, name="pre", max_steps=2, ckpt_freq=2,
+                           tokenizer=str(other)))
+    assert pre.returncode == 0, pre.stderr[-2000:]
+    args = train_args(tmp_path, tiny_model, name="sft", max_steps=1, task="sft", seq_length=64,
+                      init_from=str(tmp_path / "pre"))
+    result = train(args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state = json.loads((tmp_path / "sft/state.json").read_text())
+    assert state["config"]["tokenizer"] == str(other)
+    refused(train([*train_args(tmp_path, tiny_model, name="sft2", max_steps=1, task="sft",
+                               seq_length=64, init_from=str(tmp_path / "pre")),
+                   f"--tokenizer={ROOT / 'assets/tokenizer'}"]),
+            "is not the tokenizer that --init-from", str(other))

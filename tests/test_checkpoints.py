@@ -1,6 +1,6 @@
 """Checkpoints off the training path: staged to CPU memory and written in the background,
-with every guarantee of a synchronous save. (test_faults.py crashes the background writer
-before each kind of file-system step and fills its disk; test_train.py and
+with every guarantee of a synchronous save. (test_failed_saves.py crashes the background
+writer before each kind of file-system step and fills its disk; test_train.py and
 test_distributed.py SIGKILL runs that write in the background.)"""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_train import ENV, ROOT, last_step, metrics, train, train_args, wait_for
+from helpers import ENV, ROOT, last_step, metrics, train, train_args, wait_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import utils
@@ -63,17 +63,16 @@ def model_and_optimizer(tiny_model):
     return model, optimizer
 
 
-def test_staging_reuses_its_memory_and_copies_exactly(model_and_optimizer):
+def test_staging_copies_exactly_and_does_not_grow(model_and_optimizer):
     model, optimizer = model_and_optimizer
     staging = utils.Staging()
-    pointers, sizes = [], []
+    sizes = []
     for _ in range(10):
         staged = staging.stage({"model.pt": model.state_dict(),
                                 "optimizer.pt": optimizer.state_dict(),
                                 "loader.json": {"slots": [{"offset": 5}]}})
-        pointers.append(sorted(b.data_ptr() for b in staging.buffers.values()))
         sizes.append(staging.nbytes())
-    assert all(p == pointers[0] for p in pointers) and len(set(sizes)) == 1  # no growth
+    assert len(set(sizes)) == 1  # no growth
     live = model.state_dict()
     assert all(torch.equal(staged["model.pt"][k], live[k]) for k in live)
     assert staged["optimizer.pt"]["param_groups"] == optimizer.state_dict()["param_groups"]

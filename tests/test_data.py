@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 import zstandard
-from conftest import ROOT, toy_tokenizer
+from helpers import ROOT, toy_tokenizer
 
 from data import (
     Batch,
@@ -283,8 +283,8 @@ def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     """A pipeline with background threads, dropped without close(), must let Python exit."""
     shard = write_jsonl(tmp_path / "a.jsonl", [{"text": "a b c " * 50}] * 200)
     script = textwrap.dedent(f"""
-        import sys; sys.path[:0] = [{ROOT!r}, {ROOT + '/tests'!r}]
-        from conftest import toy_tokenizer
+        import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        from helpers import toy_tokenizer
         from data import Files, Tokenize, ConcatChunk, Prefetch
         tok = toy_tokenizer()
         p = Prefetch(ConcatChunk(Tokenize(Files({shard!r}, repeat=True), tok, num_threads=2), 8))

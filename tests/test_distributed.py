@@ -18,49 +18,36 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    CORPUS_STEPS,
+    ENV,
+    ID_OF,
+    ROOT,
+    assert_same_weights,
+    consumed,
+    corpus_args,
+    digest,
+    examples,
+    final_model,
+    kill_at,
+    loader_states,
+    metrics,
+    ranks_command,
+    resumable_step,
+    resumed_steps,
+    run_ranks,
+    stage,
+    word_tokenizer,
+    write_corpus,
+)
+from helpers import WORD_TOKENIZER as TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_train import ENV, ROOT, digest, kill_at, metrics, resumable_step, resumed_steps
-from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 import data
 import train_llm
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-N_IDS = 2000
-
-
-def word_tokenizer():
-    """Document ids d0 ... d1999 and the letters, one token each; BOS and EOS apart."""
-    words = ["<bos>", "<eos>", "<unk>", *(f"d{i}" for i in range(N_IDS)), *LETTERS]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", name_or_path="words")
-
-
-TOKENIZER = word_tokenizer()
-ID_OF = {TOKENIZER.convert_tokens_to_ids(f"d{i}"): i for i in range(N_IDS)}
-
-
-def write_corpus(directory, sizes, *, words=None, seed=0, first_id=0):
-    """Shards of documents "d<id> <letters>"; ids are unique over the corpus (from
-    ``first_id``); returns how many. With ``words`` every document has exactly that many
-    letters, else 0-9 at random."""
-    rng = random.Random(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    doc_id = first_id
-    for i, size in enumerate(sizes):
-        lines = []
-        for _ in range(size):
-            n = words if words is not None else rng.randrange(10)
-            lines.append(json.dumps({"text": " ".join([f"d{doc_id}", *rng.choices(LETTERS, k=n)])}))
-            doc_id += 1
-        (directory / f"train-{i:03d}.jsonl").write_text("".join(line + "\n" for line in lines))
-    return doc_id - first_id
-
 
 # ----------------------------------------------------------------------------------------------
 # data.reshard on the trainer's pipeline
@@ -74,13 +61,7 @@ def pipeline(urls, rank, world_size, p):
     return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world_size, train=True)
 
 
-def stage(pipe, cls):
-    while not isinstance(pipe, cls):
-        pipe = pipe.src
-    return pipe
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
     "worlds": st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=3),
@@ -127,7 +108,7 @@ def test_reshard_trains_every_document_exactly_once(tmp_path_factory, p):
     assert letters == expected_letters
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 12), min_size=1, max_size=5),
     "slots": st.sampled_from([1, 2, 4, 8]),
@@ -183,7 +164,7 @@ def test_every_stage_passes_on_every_document_once_per_epoch(tmp_path_factory, p
             {doc: p["epochs"] for doc in range(n_docs)}), f"after {depth} stages"
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=list(HealthCheck))
 @given(sizes=st.lists(st.integers(0, 25), min_size=1, max_size=6), world=st.sampled_from([1, 2]),
        cut=st.integers(0, 30), seed=st.integers(0, 3), shuffle=st.integers(1, 6))
 def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world, cut, seed,
@@ -217,86 +198,20 @@ def test_reshard_refuses_stages_it_cannot_split():
 # train_llm.py under torchrun
 # ----------------------------------------------------------------------------------------------
 
-STEPS = 12
-
-
-def args_for(save_dir, model, corpus, name="run", **overrides):
-    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
-            "dataset": corpus / "train/*.jsonl", "val-dataset": corpus / "val/*.jsonl",
-            "tokenizer": corpus / "tokenizer", "seq-length": 32, "batch-size": 4,
-            "max-steps": STEPS, "lr": 1e-2, "warmup-steps": 3, "log-freq": 4, "val-freq": 6,
-            "val-batches": 3, "ckpt-freq": 4, "wandb": "disabled", "tokenizer-threads": 1,
-            "active-shards": 4, "shuffle-buffer": 1}
-    args.update({key.replace("_", "-"): value for key, value in overrides.items()})
-    return [f"--{key}" if value is True else f"--{key}={value}" for key, value in args.items()]
-
-
-def command(args, ranks):
-    if ranks == 1:
-        return [sys.executable, "train_llm.py", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", "train_llm.py", *args]
-
-
-def run(args, ranks, timeout=180):
-    result = subprocess.run(command(args, ranks), cwd=ROOT, env=ENV, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def loader_states(exp_dir, step=None):
-    state = json.loads((exp_dir / "state.json").read_text())
-    ckpt = exp_dir / (f"checkpoints/step-{step:06d}" if step else state["checkpoint"])
-    return [json.loads((ckpt / f"loader-rank{r}.json").read_text())
-            for r in range(state["world_size"])]
-
-
-def consumed(states, urls):
-    """{slot: (url, byte offset)} after the documents each rank handed past Tokenize, and
-    the sequences still buffered (none with fixed-length documents and --shuffle-buffer 1)."""
-    files = data.Files(urls, repeat=True, shuffle_shards=True, n_active_shards=4)
-    slots, buffered = {}, 0
-    for state in states:
-        node = state
-        while "skip" not in node:  # down to Tokenize's state
-            buffered += len(node.get("rest", [])) + len(node.get("buffer", []))
-            node = node["upstream"]
-        reader = files.reading_as(node["upstream"])
-        for _ in range(node["skip"]):
-            next(reader)
-        advanced = reader.state_dict()
-        reader.close()
-        for slot in advanced["slots"]:
-            assert slot["pos"] % 4 not in slots, "two ranks read the same slot"
-            slots[slot["pos"] % 4] = (slot["url"], slot["offset"])
-    return slots, buffered
-
-
-def assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
-def final_model(exp_dir):
-    return torch.load(exp_dir / f"checkpoints/step-{STEPS:06d}/model.pt", weights_only=True)
-
-
 def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(
         two_ranks, tiny_model, corpus, tmp_path):
     one = tmp_path / "run"
-    run(args_for(tmp_path, tiny_model, corpus, batch_size=8), ranks=1)
+    run_ranks(corpus_args(tmp_path, tiny_model, corpus, batch_size=8), ranks=1)
     urls = str(corpus / "train/*.jsonl")
-    for step in (8, STEPS):
+    for step in (8, CORPUS_STEPS):
         slots_two, buffered_two = consumed(loader_states(two_ranks, step), urls)
         slots_one, buffered_one = consumed(loader_states(one, step), urls)
         assert buffered_two == buffered_one == 0
         assert slots_two == slots_one  # same documents; disjointness checked in consumed()
     # Every step of the 2-rank run is logged once by rank 0, with the tokens of both ranks.
     rows = metrics(two_ranks)
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    assert rows[-1]["tokens_seen"] == STEPS * 2 * 4 * 32
+    assert [row["step"] for row in rows] == list(range(1, CORPUS_STEPS + 1))
+    assert rows[-1]["tokens_seen"] == CORPUS_STEPS * 2 * 4 * 32
     assert rows[-1]["loss"] < rows[0]["loss"]
     state = json.loads((two_ranks / "state.json").read_text())
     assert state["world_size"] == 2
@@ -314,14 +229,14 @@ def kill_until_done(args, exp_dir, log, at=(4, 8)):
     for step in at:
         expected.append(resumable_step(exp_dir))
         with open(log, "ab") as out:
-            proc = subprocess.Popen(command(args, 2), cwd=ROOT, env=ENV, stdout=out,
+            proc = subprocess.Popen(ranks_command(args, 2), cwd=ROOT, env=ENV, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         # torchrun and its ranks share a process group: they die together
         kill_at(proc, exp_dir, step, rng.uniform(0, 0.02), timeout=120,
                 kill=lambda: os.killpg(proc.pid, signal.SIGKILL))  # noqa: B023
         assert_no_orphans(exp_dir)
     expected.append(resumable_step(exp_dir))
-    result = run(args, ranks=2)
+    result = run_ranks(args, ranks=2)
     assert resumed_steps(log.read_text() + result.stderr) == [s for s in expected if s]
     assert expected[-1] > 0
 
@@ -343,12 +258,13 @@ def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(
         two_ranks, tiny_model, corpus, tmp_path):
     # Written in the background (the barriers on the writer's own gloo group), the reference
     # in the training thread: equal to the bit.
-    args = args_for(tmp_path, tiny_model, corpus, ckpt_freq=3, checkpoint_writer="background")
+    args = corpus_args(tmp_path, tiny_model, corpus, ckpt_freq=3,
+                       checkpoint_writer="background")
     exp_dir = tmp_path / "run"
     kill_until_done(args, exp_dir, tmp_path / "log.txt")
     assert_same_weights(final_model(exp_dir), final_model(two_ranks))
     for name in ("optimizer.pt", "loader-rank0.json", "loader-rank1.json"):
-        final = f"checkpoints/step-{STEPS:06d}/{name}"
+        final = f"checkpoints/step-{CORPUS_STEPS:06d}/{name}"
         assert digest(exp_dir / final) == digest(two_ranks / final), name
     keys = ("step", "loss", "grad_norm", "val_loss")
     assert ([[row.get(k) for k in keys] for row in metrics(exp_dir)]
@@ -362,13 +278,14 @@ def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_pa
     raised at the same time. No document is skipped or repeated: with one document per
     sequence and no shuffle buffer the documents consumed are those of the W-rank run."""
     exp_dir = tmp_path / "run"
-    run(args_for(tmp_path, tiny_model, corpus, batch_size=8 // before, max_steps=6), before)
-    result = run(args_for(tmp_path, tiny_model, corpus, batch_size=8 // after), after)
+    run_ranks(corpus_args(tmp_path, tiny_model, corpus, batch_size=8 // before, max_steps=6),
+              before)
+    result = run_ranks(corpus_args(tmp_path, tiny_model, corpus, batch_size=8 // after), after)
     assert f"Data of {before} rank(s) moved to {after}" in result.stderr
     assert "no document skipped or repeated" in result.stderr
     state = json.loads((exp_dir / "state.json").read_text())
-    assert state["global_step"] == STEPS and state["world_size"] == after
-    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, STEPS + 1))
+    assert state["global_step"] == CORPUS_STEPS and state["world_size"] == after
+    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, CORPUS_STEPS + 1))
     urls = str(corpus / "train/*.jsonl")
     assert consumed(loader_states(exp_dir), urls) == consumed(loader_states(two_ranks), urls)
     # The run goes on from the checkpoint's weights, not from a fresh model's loss of ~9.
@@ -378,8 +295,8 @@ def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_pa
 
 def test_a_changed_global_batch_is_refused(two_ranks, tiny_model, corpus):
     before = digest(two_ranks / "state.json")
-    result = subprocess.run(command(args_for(two_ranks.parent, tiny_model, corpus,
-                                             max_steps=STEPS + 2), 1),
+    result = subprocess.run(ranks_command(corpus_args(two_ranks.parent, tiny_model, corpus,
+                                                      max_steps=CORPUS_STEPS + 2), 1),
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "global batch" in result.stderr and "was 8 sequences" in result.stderr
@@ -396,8 +313,8 @@ def test_skipped_records_are_counted_over_all_ranks(tiny_model, tmp_path):
         shard.write_text("{not json\n" + shard.read_text())
     write_corpus(corpus / "val", [10], words=29)
     word_tokenizer().save_pretrained(corpus / "tokenizer")
-    run(args_for(tmp_path, tiny_model, corpus, max_steps=20, log_freq=20, val_freq=20,
-                 ckpt_freq=20, skip_bad_records=True), ranks=2)
+    run_ranks(corpus_args(tmp_path, tiny_model, corpus, max_steps=20, log_freq=20,
+                          val_freq=20, ckpt_freq=20, skip_bad_records=True), ranks=2)
     assert [row["data/skipped"] for row in metrics(tmp_path / "run") if "data/skipped" in row] \
         == [4]
 
@@ -411,15 +328,15 @@ def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
     write_corpus(corpus / "val", [10], words=29)
     word_tokenizer().save_pretrained(corpus / "tokenizer")
     for ckpt_freq in (1000, 5):  # the last step's checkpoint is written at the end / exists
-        args = args_for(tmp_path, tiny_model, corpus, name=f"ckpt{ckpt_freq}", max_steps=1000,
-                        epochs=1, ckpt_freq=ckpt_freq)
-        result = run(args, ranks=2, timeout=120)
+        args = corpus_args(tmp_path, tiny_model, corpus, name=f"ckpt{ckpt_freq}",
+                           max_steps=1000, epochs=1, ckpt_freq=ckpt_freq)
+        result = run_ranks(args, ranks=2, timeout=120)
         assert "The data ran out (--epochs 1) before step 6" in result.stderr
         state = json.loads((tmp_path / f"ckpt{ckpt_freq}/state.json").read_text())
         assert state["data_exhausted"] and state["global_step"] == 5
         assert state["checkpoint"] == "checkpoints/step-000005"
         assert (tmp_path / f"ckpt{ckpt_freq}/checkpoints/step-000005/model.pt").exists()
-        assert "is done: its data ran out" in run(args, ranks=2).stderr
+        assert "is done: its data ran out" in run_ranks(args, ranks=2).stderr
 
 
 @pytest.mark.slow
@@ -436,7 +353,8 @@ def test_the_failing_ranks_paragraph_is_said_last_and_the_others_stop_quietly(ti
     shard.write_text("".join([*lines[:2], '{"text": 5}\n', *lines[3:]]))
     write_corpus(corpus / "val", [10], words=29)
     word_tokenizer().save_pretrained(corpus / "tokenizer")
-    result = subprocess.run(command(args_for(tmp_path, tiny_model, corpus, active_shards=2), 2),
+    result = subprocess.run(ranks_command(corpus_args(tmp_path, tiny_model, corpus,
+                                                      active_shards=2), 2),
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
     err = result.stderr
     paragraph = f"DataError: shard {shard}, line 3: bad record"
@@ -451,15 +369,15 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
     """FSDP2 on CPU with gloo: a run killed and resumed equals one that was not, and its first
     step equals DDP's up to float rounding (same data, same math)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run(args_for(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
+    run_ranks(corpus_args(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
     # dcp.save off the loop. Killed after step 7: the save of step 6 waited for step 3's
     # write, so a complete checkpoint exists (a kill after step 5 may land before one does).
-    kill_until_done(args_for(tmp_path, tiny_model, corpus, name="killed", fsdp=True, ckpt_freq=3,
-                             checkpoint_writer="background"),
+    kill_until_done(corpus_args(tmp_path, tiny_model, corpus, name="killed", fsdp=True,
+                                ckpt_freq=3, checkpoint_writer="background"),
                     killed, tmp_path / "log.txt", at=(7,))
     weights = []
     for exp_dir in (straight, killed):
-        ckpt = exp_dir / f"checkpoints/step-{STEPS:06d}"
+        ckpt = exp_dir / f"checkpoints/step-{CORPUS_STEPS:06d}"
         assert {p.name for p in ckpt.iterdir()} >= {"dcp", "loader-rank0.json",
                                                    "loader-rank1.json", "lr_scheduler.pt"}
         dcp_to_torch_save(ckpt / "dcp", tmp_path / f"{exp_dir.name}.pt")

@@ -1,8 +1,8 @@
 """Fault tolerance under torchrun: a group restarted after a worker dies (--max-restarts), and
 elastic membership (--nnodes MIN:MAX) that goes on with fewer ranks when a node is lost.
 
-The runs use test_distributed's corpus of fixed-length documents (one document per sequence,
-no shuffle buffer), so which documents a run trained on can be read off its loader states.
+The runs use the `corpus` fixture's fixed-length documents (one document per sequence, no
+shuffle buffer), so which documents a run trained on can be read off its loader states.
 """
 
 import os
@@ -14,15 +14,20 @@ import sys
 import time
 from pathlib import Path
 
-from test_distributed import (
-    STEPS,
-    args_for,
+from helpers import (
+    CORPUS_STEPS,
+    ENV,
+    ROOT,
     assert_same_weights,
     consumed,
+    corpus_args,
     final_model,
+    last_step,
     loader_states,
+    metrics,
+    resumable_step,
+    wait_for,
 )
-from test_train import ENV, ROOT, last_step, metrics, resumable_step, wait_for
 
 JOIN_BOUND = 30  # seconds: init_process_group's timeout with --dist-timeout below 30
 
@@ -59,7 +64,7 @@ def test_torchrun_restarts_each_killed_worker_and_ends_bit_identical(
     from the newest complete checkpoint (or a newer one its survivor completed), and the
     final weights equal the uninterrupted run's."""
     kills = [(2, 1), (4, 0), (6, 1), (8, 0), (10, 1)]  # (after step, rank)
-    args = args_for(tmp_path, tiny_model, corpus, ckpt_freq=2, dist_timeout=10)
+    args = corpus_args(tmp_path, tiny_model, corpus, ckpt_freq=2, dist_timeout=10)
     exp_dir, log = tmp_path / "run", tmp_path / "log.txt"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -87,7 +92,7 @@ def test_torchrun_restarts_each_killed_worker_and_ends_bit_identical(
     for old, new in zip(newest, resumed, strict=True):
         assert old <= new and new % 2 == 0, (newest, resumed)
     assert_same_weights(final_model(exp_dir), final_model(two_ranks))
-    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, CORPUS_STEPS + 1))
 
 
 def free_port():
@@ -104,7 +109,7 @@ def test_elastic_membership_finishes_alone_with_every_document_once(
     states and finishes. Over the run, the documents consumed are exactly those of the
     uninterrupted 2-rank run: none lost, none repeated."""
     port = free_port()
-    args = args_for(tmp_path, tiny_model, corpus, global_batch_size=8, dist_timeout=10)
+    args = corpus_args(tmp_path, tiny_model, corpus, global_batch_size=8, dist_timeout=10)
     exp_dir = tmp_path / "run"
     agents, logs = [], []
     for node in range(2):
@@ -135,6 +140,6 @@ def test_elastic_membership_finishes_alone_with_every_document_once(
     text = logs[0].read_text()
     print(f"elastic: the survivor finished {seconds:.1f} s after the other node was killed")
     assert "Data of 2 rank(s) moved to 1" in text, text[-3000:]
-    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in metrics(exp_dir)] == list(range(1, CORPUS_STEPS + 1))
     urls = str(corpus / "train/*.jsonl")
     assert consumed(loader_states(exp_dir), urls) == consumed(loader_states(two_ranks), urls)

@@ -13,10 +13,7 @@ import json
 import subprocess
 import sys
 
-import pytest
-import torch
-from host_waits import HostWaits
-from test_train import ENV, ROOT, train_args
+from helpers import ENV, ROOT, train_args
 
 MAX_STEPS = 5  # the last step validates and saves: its reads are not a step's
 
@@ -60,16 +57,3 @@ def test_one_wait_per_step_on_two_ranks_with_epochs(tmp_path, tiny_model):
     """--epochs on 2 ranks: whether every rank still has data is agreed on the CPU."""
     assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, ranks=2, epochs=3))
 
-
-@pytest.mark.parametrize("code, counted", [
-    (lambda: torch.full((), 1.0, device=torch.device("cpu")).item(), ["read"]),
-    (lambda: float(torch.nn.Linear(2, 1)(torch.ones(2)).detach().sum()), ["read"]),
-    (lambda: torch.tensor([1, 2], device=torch.device("cpu")), ["upload"]),
-    (lambda: torch.zeros(2).tolist(), []),  # made on the host
-    (lambda: torch.tensor([1.0], device="cpu").item(), []),  # "cpu" by name: the host
-    (lambda: torch.zeros(2).to(torch.device("cpu"), non_blocking=True).sum(), []),
-])
-def test_what_the_counter_counts(code, counted):
-    with HostWaits() as mode:
-        code()
-    assert [kind for _, kind, *_ in mode.events] == counted

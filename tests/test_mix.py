@@ -6,9 +6,19 @@ import subprocess
 import sys
 
 import pytest
+from helpers import (
+    ROOT,
+    digest,
+    examples,
+    kill_at,
+    metrics,
+    resumed_steps,
+    start,
+    train,
+    train_args,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_train import ROOT
 
 from data import Mix, OnlineMixer, Prefetch, Sequence
 
@@ -104,7 +114,7 @@ def train_like(make, cuts, steps, batch=4):
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(weights=st.lists(st.integers(1, 5), min_size=2, max_size=3),
        variant=st.sampled_from(["fixed", "exp3", "smoothed-mean"]), warmup=st.integers(0, 8),
        seed=st.integers(0, 3), prefetch=st.booleans(),
@@ -128,7 +138,6 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
     it; the restarted run ends with the very weights, loader state and probability
     trajectory of an uninterrupted one, and the probabilities did move."""
     import torch
-    from test_train import digest, kill_at, metrics, resumed_steps, start, train, train_args
 
     def args(name):
         return train_args(tmp_path, tiny_model, name=name, odm="exp3", odm_warmup_steps=12,

@@ -7,11 +7,10 @@ never with a traceback after training."""
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, ROOT, copy_kit, kill_at, metrics, refused, train_args
+from helpers import ENV, ROOT, copy_kit, kill_at, metrics, refused, train_args
 
 STEPS = 8
 CREATE_MODEL = """
@@ -25,7 +24,7 @@ CREATE_MODEL = """
 def project(tmp_path_factory):
     dest = tmp_path_factory.mktemp("project")
     copy_kit(dest, "train_own.py", CREATE_MODEL)
-    shutil.copy(Path(ROOT) / "tests/own_model.py", dest / "my_model.py")
+    shutil.copy(ROOT / "tests/own_model.py", dest / "my_model.py")
     return dest
 
 

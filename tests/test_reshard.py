@@ -4,16 +4,17 @@ Online Data Mixing, and fine-tuning (SFT) samples packed (Pack) or padded (Pad).
 W ranks read a while and save; W' ranks (divisors of the slots) resume from those states with
 data.reshard and read on; the last world reads to the end of the (finite) data. Every document
 (every SFT record) must come out exactly once over all ranks, and the mixer's state must be
-the same on every rank after the reshard. Documents carry an id token (see test_distributed).
+the same on every rank after the reshard. Documents carry an id token (helpers.write_corpus).
 """
 
 import collections
 import json
 
 import pytest
+from helpers import ID_OF, examples, stage, write_corpus
+from helpers import WORD_TOKENIZER as TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_distributed import ID_OF, TOKENIZER, stage, write_corpus
 
 import data
 import train_llm
@@ -57,7 +58,7 @@ def run_worlds(p, build, after_reading=lambda pipe, k: None, check_resharded=lam
     return seen, pipes
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=st.fixed_dictionaries({
     "domains": st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=4), min_size=2,
                         max_size=4),
@@ -82,7 +83,7 @@ def test_a_mix_with_odm_reshards_every_document_exactly_once(tmp_path_factory, p
     args.dataset = urls
 
     def build(rank, world):
-        _, weights, mixer = train_llm.mixture(args)
+        _, weights, mixer = train_llm.mixture(args, {"config": {}})  # a new run's state
         return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True,
                                         weights=weights, mixer=mixer)
 
@@ -119,7 +120,7 @@ def write_records(directory, sizes, seed):
     return n
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
     "worlds": WORLDS,
@@ -157,7 +158,7 @@ def test_sft_samples_reshard_exactly_once_packed_or_padded(tmp_path_factory, p):
     assert collections.Counter(seen) == collections.Counter(range(n_records))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 @given(p=st.fixed_dictionaries({
     "sizes": st.lists(st.integers(0, 25), min_size=1, max_size=6),
     "worlds": WORLDS,

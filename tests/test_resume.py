@@ -14,9 +14,15 @@ import tempfile
 import pyarrow
 import pyarrow.parquet
 import pytest
-import torch
 import zstandard
-from conftest import toy_tokenizer
+from helpers import (
+    LETTERS,
+    examples,
+    records_per_split,
+    run_with_cuts,
+    split_capacity,
+    toy_tokenizer,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +45,6 @@ from data import (
 )
 
 TOKENIZER = toy_tokenizer()
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def write_shards(directory, sizes, suffixes, seed):
@@ -137,59 +142,7 @@ def yields_something(urls, p):
     return all(map(survives, records)) if p["stride"] else any(map(survives, records))
 
 
-def split_capacity(urls):
-    """The most input splits these shards can be cut into, worked out without Files: a
-    compressed JSON Lines shard stays whole, Parquet is cut between row groups, plain JSON
-    Lines and JSON arrays (.json here) anywhere (into empty ranges, if need be)."""
-    def most(url):
-        if url.endswith(".parquet"):
-            return max(1, pyarrow.parquet.ParquetFile(url).num_row_groups)
-        return 1 if url.endswith((".jsonl.gz", ".jsonl.zst")) else float("inf")
-    return sum(map(most, urls))
-
-
-def records_per_split(files):
-    """The records in each split of a Files over plain JSON Lines, counted without its readers:
-    a split owns the non-blank lines that start inside its byte range."""
-    counts = []
-    for url, start, end in files.splits:
-        with open(url, "rb") as f:
-            data = f.read()
-        starts = [q for q in range(start, len(data) if end is None else end)
-                  if q == 0 or data[q - 1] == ord("\n")]
-        counts.append(sum(1 for q in starts if data[q:data.find(b"\n", q)].strip()))
-    return counts
-
-
-def comparable(item):
-    return {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
-
-
-def take(pipe, n):
-    out = []
-    for _ in range(n):
-        try:
-            out.append(comparable(next(pipe)))
-        except StopIteration:
-            break
-    return out
-
-
-def run_with_cuts(make, cuts, total):
-    """Items of a pipeline that is cut (state -> JSON -> new pipeline) at each of `cuts`."""
-    out, pipe = [], make()
-    for cut in sorted(cuts):
-        out += take(pipe, cut - len(out))
-        state = json.loads(json.dumps(pipe.state_dict()))
-        pipe.close()
-        pipe = make()
-        pipe.load_state_dict(state)
-    out += take(pipe, total - len(out))
-    pipe.close()
-    return out
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(p=pipelines, cuts=st.lists(st.integers(0, 40), min_size=1, max_size=3))
 def test_random_pipelines_resume_exactly(p, cuts):
     total = 40
@@ -213,7 +166,7 @@ def test_random_pipelines_resume_exactly(p, cuts):
         assert run_with_cuts(make, cuts, total) == straight
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(0, 12), repeat=st.booleans(), shuffle=st.booleans(), take_n=st.integers(0, 30),
        cuts=st.lists(st.integers(0, 30), min_size=1, max_size=3))
 def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
@@ -232,7 +185,7 @@ def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
     assert out + list(pipe) == straight
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes=st.lists(st.integers(0, 6), min_size=1, max_size=7), world=st.sampled_from([1, 2, 4]),
        slots_per_rank=st.integers(1, 2), shuffle=st.booleans(), seed=st.integers(0, 3),
        cuts=st.lists(st.integers(0, 30), max_size=2))

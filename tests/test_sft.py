@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
+from helpers import ROOT, examples, kill_at, metrics, resumed_steps, run_with_cuts, start, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_resume import run_with_cuts
-from test_train import ROOT, kill_at, metrics, resumed_steps, start, train
 from transformers import AutoTokenizer
 
 import data
@@ -69,7 +68,7 @@ def test_packed_instruction_batch_by_hand():
                                             + list(range(len(second["input_ids"]))) + [0, 0])
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(length=st.integers(24, 200), shuffle=st.integers(1, 8), batch=st.integers(1, 3),
        cuts=st.lists(st.integers(0, 25), min_size=1, max_size=3), seed=st.integers(0, 3))
 def test_sft_pipeline_resumes_exactly(length, shuffle, batch, cuts, seed):

@@ -22,11 +22,20 @@ import pyarrow.parquet
 import pytest
 import torch
 import zstandard
+from helpers import (
+    ROOT,
+    examples,
+    kill_at,
+    metrics,
+    resumed_steps,
+    run_with_cuts,
+    start,
+    train,
+    train_args,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from moto.server import ThreadedMotoServer
-from test_resume import run_with_cuts
-from test_train import ROOT, kill_at, metrics, resumed_steps, start, train, train_args
 
 import data
 from data import DataError, Files, HFDataset, Take
@@ -224,7 +233,7 @@ faults = st.lists(st.one_of(st.none(), st.sampled_from([500, 502, 503]),
                             st.tuples(st.just("drop"), st.integers(0, 12_000))), max_size=12)
 
 
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=faults, cuts=st.lists(st.integers(0, 125), max_size=2))
 def test_http_faults_and_cuts_leave_the_stream_unchanged(web, web_shards, schedule, cuts):
@@ -454,7 +463,7 @@ def hf_dataset(p):
     return ds
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(p=hf_sources, cuts=st.lists(st.integers(0, 70), min_size=1, max_size=3))
 @example(p={"rows": 0, "shards": 1, "streaming": False, "repeat": True, "epochs": 3,
             "shuffled": False, "kit_shuffle": False, "seed": 0}, cuts=[0])  # empty, 3 epochs

@@ -13,11 +13,19 @@ import re
 import tempfile
 
 import pytest
-from conftest import write_shard as write
+from helpers import (
+    ROOT,
+    examples,
+    records_per_split,
+    run_with_cuts,
+    split_capacity,
+    toy_tokenizer,
+    train,
+    train_args,
+)
+from helpers import write_shard as write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_resume import records_per_split, run_with_cuts, split_capacity
-from test_train import ROOT, train, train_args
 from transformers import AutoTokenizer
 
 import data
@@ -44,7 +52,7 @@ def read_all(make, cuts=()):
     return [r["doc"] for r in run_with_cuts(make, cuts, 10**6)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(files=st.lists(st.tuples(st.sampled_from([0, 1, 2, 5, 9, 25]), st.sampled_from(KINDS)),
                       min_size=1, max_size=5),
        slots=st.integers(1, 8), world_pick=st.integers(0, 7), epochs=st.integers(1, 3),
@@ -91,13 +99,13 @@ def test_every_document_once_per_epoch_over_all_ranks(files, slots, world_pick, 
         assert collections.Counter(before + after) == expected
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lines=st.lists(st.integers(0, 80), min_size=1, max_size=4), slots=st.integers(1, 8),
        width=st.integers(10, 60))
 def test_few_files_feed_every_slot_and_epochs_do_not_overlap(lines, slots, width, tmp_path_factory):
     """Equal-length documents: the slots read equal shares of a few files, and the endless
-    stream is epoch after epoch of every document once. (Before splits, one file over 8 slots
-    gave each document 8 times in a row.)"""
+    stream is epoch after epoch of every document once (one file over 8 slots does not give
+    each document 8 times in a row)."""
     d = tmp_path_factory.mktemp("few")
     urls = []
     for i, n in enumerate(lines):
@@ -337,7 +345,6 @@ def test_an_epoch_with_empty_splits_on_one_rank_does_not_end_the_stream(tmp_path
 def test_reshard_moves_cut_documents_only_at_their_end(tmp_path):
     """Tokenize(max_chars) hands out pieces; a rank that stopped between two documents moves
     to another world size exactly, one that stopped inside a cut document is refused."""
-    from conftest import toy_tokenizer
     url = write(tmp_path / "d.jsonl", [{"text": "a b c d e f g h i j k l"}, {"text": "m n"}] * 4)
     tok = toy_tokenizer()
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,8 +78,9 @@ def ddp_rank(rank, port, out):
 
 def test_sft_step_is_the_same_however_the_global_batch_is_cut(tmp_path):
     """8 x 1, 4 x 2, 2 x 4 on one rank and 2 ranks x (4 x 1) under DDP: the same weights after
-    one step (<= 0.01% of them off by > 1e-6) and the same logged loss. Before the loss was
-    normalized by the step's scored tokens, 4 x 2 moved a fifth of the weights differently."""
+    one step (<= 0.01% of them off by > 1e-6) and the same logged loss. A loss averaged per
+    micro-batch, not over the step's scored tokens, moves a fifth of the weights otherwise at
+    4 x 2."""
     ctx = train_llm.Context(0, 1, torch.device("cpu"), False)
     expected, loss = one_step(small_model(), sft_batch(), (0, GLOBAL), 8, ctx)
     for micro in (4, 2):
@@ -151,21 +153,10 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 NVL", 835), ("NVIDIA H100 PCIe", 756),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA GH200 480GB", 989),
-    ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A100-SXM4-80GB", 312),
-    ("NVIDIA GeForce GTX 1080", None)])
-def test_the_peak_table_matches_each_gpu_to_its_own_row(monkeypatch, name, tflops):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    peak = utils.peak_flops(torch.device("cuda"))
-    assert (peak and round(peak / 1e12)) == tflops
-
-
 def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
     """The CUDA path of utils.Timer, with stand-in events on a fake GPU clock: each block
-    counts from its start event to its end event, a long interval is added up as the GPU
-    finishes, and pop() waits for the rest."""
+    counts from its start event to its end event (the time between blocks is not counted),
+    and pop() waits for the GPU to finish the rest."""
     clock = {"now": 0.0, "done": 0.0}  # ms: when each event is recorded; how far the GPU is
 
     class Event:
@@ -192,14 +183,13 @@ def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
             clock["now"] += 2.0
         clock["now"] += 1.0  # between blocks: not counted
         clock["done"] = clock["now"] - 100  # the GPU runs behind
-    assert len(timer.pairs) < 1001  # the finished ones were added up along the way
     assert timer.pop() == pytest.approx(1500 * 2.0 / 1000) and timer.pairs == []
     assert timer.pop() == 0.0
 
 
 # -- The loss: cross-entropy a chunk of rows at a time -------------------------------------------
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(tokens=st.integers(1, 40), vocab=st.integers(2, 70), chunk=st.integers(1, 3000),
        bf16=st.booleans(), ignored=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
 def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, seed):
@@ -242,7 +232,7 @@ class LargestFloat32(TorchDispatchMode):
 
 @pytest.mark.parametrize("loss, at_most", [
     (lambda x, t: utils.cross_entropy(x, t, chunk_elements=4000), 4000),
-    # What the kit did before: all logits in float32, the test's proof that it can fail.
+    # All logits in float32: the test's proof that it can fail.
     pytest.param(lambda x, t: F.cross_entropy(x.float(), t, reduction="none"), 4000,
                  marks=pytest.mark.xfail(strict=True)),
 ])

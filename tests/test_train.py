@@ -6,60 +6,38 @@ stopped or broken on purpose and must continue from their checkpoints to the ver
 """
 
 import collections
-import hashlib
 import json
 import random
-import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENV, kill_at, last_step, metrics, train_args, wait_for  # noqa: F401
+from helpers import (
+    ENV,
+    MAX_STEPS,
+    ROOT,
+    assert_same_run,
+    digest,
+    global_step,
+    kill_at,
+    metrics,
+    resumable_step,
+    resumed_steps,
+    start,
+    train,
+    train_args,
+    wait_for,
+)
 
 import utils
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))
 import trace_summary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-MAX_STEPS = 30
 CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json",
               "state.json"}
-
-
-def train(args, timeout=120):
-    return subprocess.run([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def start(args, log_path):
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT)
-
-
-def global_step(exp_dir):
-    state = exp_dir / "state.json"  # replaced atomically, so never read half-written
-    return json.loads(state.read_text())["global_step"] if state.exists() else 0
-
-
-def digest(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def resumable_step(exp_dir):
-    """The step a rerun resumes from: the newest complete checkpoint's (a kill between a
-    checkpoint's rename and the state.json update still resumes from the new one)."""
-    state, _ = utils.run_state(exp_dir)
-    return state["global_step"] if state else 0
-
-
-def resumed_steps(log_text):
-    """The steps that the restarts of a run said they resumed from."""
-    return [int(n) for n in re.findall(r"Resuming .* from .*, step (\d+) of", log_text)]
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +101,6 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
                             env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert (straight / "metrics.png").stat().st_size > 0
-
-
-def assert_same_run(exp_dir, reference):
-    final = f"checkpoints/step-{MAX_STEPS:06d}"
-    model, expected = (torch.load(d / final / "model.pt", weights_only=True)
-                       for d in (exp_dir, reference))
-    assert model.keys() == expected.keys()
-    for name in model:
-        assert torch.equal(model[name], expected[name]), name
-    for name in ("optimizer.pt", "loader-rank0.json"):
-        assert digest(exp_dir / final / name) == digest(reference / final / name), name
-    # Every step logged exactly once, with the very same numbers.
-    keys = ("step", "loss", "grad_norm", "lr", "val_loss")
-    assert ([[row.get(k) for k in keys] for row in metrics(exp_dir)]
-            == [[row.get(k) for k in keys] for row in metrics(reference)])
 
 
 @pytest.mark.parametrize("ckpt_freq", [7, 1])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, ROOT, copy_kit, kill_at, refused, train_args
+from helpers import ENV, ROOT, copy_kit, kill_at, refused, train_args
 
 import utils
 

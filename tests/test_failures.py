@@ -1,0 +1,195 @@
+"""Failures during a run: bad or too little data, a full disk under the metrics, out of memory,
+a log file that cannot be written, wandb without a login, a signal while starting. Each ends in
+one paragraph (exit code, the key words of the message, no traceback on the console), and
+nothing a run wrote is lost."""
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+from helpers import (
+    ENV,
+    ROOT,
+    jsonl,
+    metrics,
+    refused,
+    start,
+    train,
+    train_args,
+)
+
+import train_llm
+import utils
+
+
+def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
+    def run(*flags, **overrides):
+        name = f"r{len(list(tmp_path.iterdir()))}"
+        return train([*train_args(tmp_path, tiny_model, name=name, **{"max_steps": 4,
+                                                                      **overrides}), *flags])
+
+    refused(run(seq_length=1024), "--seq-length 1024 is longer than the 64 positions")
+    refused(run(dataset=str(tmp_path / "nothing-*.jsonl")), "no files match")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused(run(dataset=str(empty)), "hold no records")
+    bad = jsonl(tmp_path / "bad.jsonl", [{"text": "fine " * 30}] * 5 + [{"text": 42}])
+    refused(run(dataset=bad, shuffle_buffer=1), f"shard {bad}, line 6: bad record",
+            "field 'text' is int", "--skip-bad-records")
+    result = run("--skip-bad-records", dataset=bad, shuffle_buffer=1, max_steps=2, log_freq=1)
+    assert result.returncode == 0, result.stderr
+    assert "skipped (1 so far)" in result.stderr
+    sft = jsonl(tmp_path / "sft.jsonl", [{"instruction": "a", "output": "b"}] * 3
+                + [{"instruction": "no answer"}])
+    refused(run(task="sft", dataset=sft, val_dataset=sft), f"shard {sft}, line 4",
+            "needs string fields 'instruction' and 'output'")
+    refused(run(odm="exp3", dataset="data/sample/*/nothing-*.jsonl"), "has no domains to mix")
+    (tmp_path / "not-a-dir").write_text("")
+    refused(train(train_args(tmp_path / "not-a-dir", tiny_model)), "not-a-dir")
+
+
+def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
+    empty = jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 100)
+    result = train(train_args(tmp_path, tiny_model, name="e", dataset=empty, max_steps=3))
+    refused(result, "Nothing to train on", "only special tokens", empty)
+    assert not (tmp_path / "e/checkpoints").exists()
+
+
+def test_too_little_data_or_an_edited_shard_is_said_not_passed_over(tmp_path, tiny_model):
+    small = jsonl(tmp_path / "small.jsonl", [{"text": "a b c"}] * 3)
+    refused(train(train_args(tmp_path, tiny_model, name="tiny", dataset=small, epochs=1)),
+            "The data ran out before the first step", "holds fewer than the 128 tokens")
+    assert not (tmp_path / "tiny/state.json").exists()
+
+    docs = jsonl(tmp_path / "docs.jsonl", [{"text": f"document {i} " + "word " * 40}
+                                           for i in range(60)])
+    result = train(train_args(tmp_path, tiny_model, name="epochs", dataset=docs, epochs=1,
+                              max_steps=1000, val_freq=1000, val_batches=100, val_dataset=docs))
+    assert result.returncode == 0, result.stderr
+    assert "holds only" in result.stderr and "batches of the 100 asked for" in result.stderr
+    rows = metrics(tmp_path / "epochs")
+    assert "val_loss" in rows[-1] and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+    # A shard edited after the run read it is refused on resume, not read at wrong offsets.
+    result = train(train_args(tmp_path, tiny_model, name="edit", dataset=docs, max_steps=4,
+                              ckpt_freq=2))
+    assert result.returncode == 0, result.stderr
+    with open(docs, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    refused(train(train_args(tmp_path, tiny_model, name="edit", dataset=docs, max_steps=6,
+                             ckpt_freq=2)), "files of --dataset changed", "changed size", docs)
+
+
+def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(tmp_path,
+                                                                                tiny_model):
+    shard = tmp_path / "bad.jsonl"  # read by the first step: a failure once training began
+    shard.write_text('{"text": "a b c"}\n' * 3 + "not json\n")
+    result = train(train_args(tmp_path, tiny_model, dataset=shard))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "bad.jsonl" in result.stderr and "before the first checkpoint" in result.stderr
+    log = (tmp_path / "run/train.log").read_text()
+    assert "bad.jsonl" in log and "Traceback" in log
+
+
+def test_a_start_that_fails_before_training_leaves_nothing_and_says_so(tmp_path, tiny_model):
+    result = train(train_args(tmp_path / "runs", tiny_model, dataset=tmp_path / "missing.jsonl"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "missing.jsonl" in result.stderr and "nothing was kept" in result.stderr
+    assert "last checkpoint" not in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_path):
+    args = train_llm.parse_args(["-e", "x", "--wandb", "disabled"])
+    log = utils.MetricsLog(tmp_path, args, {"global_step": 0, "wandb_run_id": None}, rank=0)
+    log.write({"step": 1, "loss": 1.0, "lr": 0.1})
+    real = log.file
+
+    class FullDisk:  # writes half a line, then fails as a full disk does
+        name = real.name
+
+        def tell(self):
+            return real.tell()
+
+        def write(self, data):
+            real.write(data[:len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    log.file = FullDisk()
+    with pytest.raises(OSError, match="metrics.jsonl failed .* GiB free on that disk: free"):
+        log.write({"step": 2, "loss": 1.0, "lr": 0.1})
+    log.file = real
+    log.close()
+    assert [json.loads(line)["step"] for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
+    """The first backward pass runs out of memory (as a too large --batch-size does on a GPU):
+    one paragraph with the way on, no traceback."""
+    code = ("import runpy, sys, torch\n"
+            "def oom(*a, **k):\n"
+            "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
+            "torch.Tensor.backward = oom\n"
+            "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
+            "runpy.run_path('train_llm.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code,
+                             *train_args(tmp_path, tiny_model, max_steps=2)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    refused(result, "Out of memory", "Tried to allocate 9.00 GiB", "--grad-accum")
+
+
+def test_a_log_file_that_cannot_be_written_says_so_once(capsys):
+    """/dev/full fails every write as a full disk does: one line, then silence (not a
+    "--- Logging error ---" traceback per record)."""
+    handler = utils.QuietFileHandler("/dev/full")
+    log = logging.getLogger("test_refusals.full")
+    log.addHandler(handler)
+    try:
+        for i in range(4):
+            log.error("record %d", i)
+    finally:
+        log.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert err.count("cannot write /dev/full") == 1
+
+
+def test_wandb_online_without_a_login_is_one_paragraph(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    args = argparse.Namespace(wandb="online", wandb_project="p", experiment_name="e",
+                              max_steps=3)
+    state = {"global_step": 0, "wandb_run_id": None}
+    with pytest.raises(SystemExit) as stop:
+        utils.MetricsLog(tmp_path, args, state, rank=0)
+    assert "Weights & Biases did not start" in str(stop.value) and "wandb login" in str(
+        stop.value) and "--wandb offline" in str(stop.value)
+
+
+def test_a_signal_stops_a_run_that_is_still_starting(tmp_path, tiny_model):
+    """SIGTERM while the first batch is being read (here: from a server that accepts and never
+    answers, which would take minutes of timeouts and retries) ends the start at once."""
+    import signal
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(120)
+    port = listener.getsockname()[1]
+    args = train_args(tmp_path, tiny_model, name="sig",
+                      dataset=f"http://127.0.0.1:{port}/{{0,1,2,3,4,5,6,7}}.jsonl")
+    proc = start(args, tmp_path / "log.txt")
+    try:
+        connection, _ = listener.accept()  # the run is now waiting for its first record
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        proc.kill()
+        listener.close()
+    log = (tmp_path / "log.txt").read_text()
+    assert "SIGTERM before the first step: stopped" in log and "Traceback" not in log, log
+    connection.close()

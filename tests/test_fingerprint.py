@@ -1,0 +1,72 @@
+"""The config fingerprint (train_llm.FINGERPRINT) on resume: a flag that shapes the run, changed
+or recorded otherwise in the checkpoint, is refused by name before anything changes; a flag the
+saved config lacks counts as its default; paths that name the same files go on."""
+
+import json
+
+from helpers import (
+    ROOT,
+    copy_run,
+    global_step,
+    refused,
+    snapshot,
+    train,
+    train_args,
+)
+
+
+def test_a_checkpoint_of_another_run_is_refused(four_steps, tmp_path, tiny_model):
+    """A checkpoint directory swapped in from a run with another --lr: its own state.json
+    says so, and the resume is refused like a changed flag."""
+    exp = copy_run(four_steps, tmp_path)
+    own = exp / "checkpoints/step-000004/state.json"
+    state = json.loads(own.read_text())
+    state["config"]["lr"] = 1e-3
+    own.write_text(json.dumps(state))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6))
+    refused(result, "--lr was 0.001 when checkpoints/step-000004 was saved", "0.01 now")
+    assert snapshot(exp) == before
+
+
+def test_a_flag_newer_than_the_run_counts_as_its_default(four_steps, tmp_path, tiny_model):
+    """A run saved before --data-format existed (no key in its configs), resumed with a
+    non-default --data-format: refused by name, as if the run had had the default."""
+    exp = copy_run(four_steps, tmp_path)
+    for path in (exp / "state.json", exp / "checkpoints/step-000004/state.json"):
+        state = json.loads(path.read_text())
+        del state["config"]["data_format"]
+        path.write_text(json.dumps(state))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6,
+                              data_format="jsonl"))
+    refused(result, "--data-format was None when", "'jsonl' now")
+    assert snapshot(exp) == before
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=6))
+    assert result.returncode == 0, result.stderr  # the default: the run goes on
+
+
+def test_other_data_arguments_are_not_called_damage(ten_steps, tmp_path, tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=15, ckpt_freq=5,
+                              max_doc_chars=0))
+    refused(result, "Cannot resume from", "other data arguments", "max_chars=100000",
+            "--max-doc-chars")
+    assert "damaged" not in result.stderr and snapshot(exp) == before
+
+
+def test_a_run_of_an_earlier_version_with_relative_paths_still_resumes(four_steps, tmp_path,
+                                                                       tiny_model):
+    """Earlier versions recorded the shipped defaults as typed (relative): resumed from the
+    same directory they name the same files, so the run goes on under its old spelling."""
+    exp = copy_run(four_steps, tmp_path)
+    for path in [exp / "state.json", *exp.glob("checkpoints/*/*.json")]:
+        text = path.read_text()
+        assert f'"{ROOT}/' in text
+        path.write_text(text.replace(f'"{ROOT}/', '"'))  # as typed, from the kit's directory
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=5))
+    assert result.returncode == 0, result.stderr
+    assert global_step(exp) == 5
+    assert json.loads((exp / "state.json").read_text())["config"]["tokenizer"] == \
+        "assets/tokenizer"

@@ -1,0 +1,140 @@
+"""One long document costs what its tokens cost: it is cut into pieces before tokenizing, read
+ahead a bounded number of characters, and a 10 M- or 50 M-character line trains soon in bounded
+memory. Tokenize resumes exactly whatever its batches (DESIGN.md sections 2 and 5)."""
+
+import json
+import math
+import random
+import resource
+
+from helpers import (
+    examples,
+    run_with_cuts,
+    take,
+    toy_tokenizer,
+    train,
+    train_args,
+    write_lines,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from data import Files, Map, Sequence, Tokenize
+
+TOY = toy_tokenizer()
+
+
+def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
+    """A 50 MB line among 20,000 normal ones: cut into pieces before tokenizing, so the first
+    steps come soon, memory stays low and the loader state small."""
+    path = tmp_path / "huge.jsonl"
+    with open(path, "w") as f:
+        f.write(json.dumps({"text": "lorem ipsum dolor sit amet " * 1_900_000}) + "\n")
+        for i in range(20_000):
+            f.write(json.dumps({"text": f"a normal document, number {i}."}) + "\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = train(train_args(tmp_path, tiny_model, name="huge", dataset=str(path),
+                              max_steps=3, ckpt_freq=3, val_batches=1), timeout=60)
+    assert result.returncode == 0, result.stderr
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert before / 2**20 < 3 and peak_gib < 3, f"peak RSS {peak_gib:.2f} GiB"
+    assert "cut a document of 51300000 characters" in result.stderr
+    loader = tmp_path / "huge/checkpoints/step-000003/loader-rank0.json"
+    assert loader.stat().st_size < 5 * 2**20
+
+
+def test_one_ten_million_character_document_trains_soon_in_bounded_memory(tmp_path, tiny_model):
+    """`train_llm.py --dataset one.jsonl` with one 10 M-character line: 8 slots cut it into 8
+    splits, 7 of them empty, and the endless stream is that one document again and again.
+    Tokenize reading 64 copies per batch, each re-opening the 7 empty splits that read the
+    rest of the line, takes minutes and >10 GiB. (60 s is a bound on a hang, not a timing
+    test: it takes a few seconds.)"""
+    path = tmp_path / "one.jsonl"
+    words = "lorem ipsum dolor sit amet "
+    path.write_text(json.dumps({"text": (words * (10**7 // len(words) + 1))[:10**7]}) + "\n")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = train(train_args(tmp_path, tiny_model, name="one", dataset=str(path), max_steps=3,
+                              ckpt_freq=3, val_batches=1), timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert before / 2**20 < 3 and peak_gib < 3, f"peak RSS {peak_gib:.2f} GiB"
+
+
+def test_empty_splits_are_not_opened_again_in_later_epochs(tmp_path):
+    """One line over 8 slots: the 7 splits that own no line start are opened once, in the
+    first epoch; later epochs pass them without a read. The stream is what it was."""
+    text = "a b " * 50_000
+    url = write_lines(tmp_path / "one.jsonl", [json.dumps({"text": text})])
+    files = Files(url, repeat=True, n_active_shards=8)
+    opened, real_open = [], files.shards.open
+    files.shards.open = lambda u: opened.append(u) or real_open(u)
+    assert [next(files)["text"] for _ in range(20)] == [text] * 20
+    assert len(opened) <= 8 + 19, f"{len(opened)} opens for 20 epochs of one document"
+    # Derived from the files, not saved: a resumed Files finds the empty splits again.
+    state = json.loads(json.dumps(files.state_dict()))
+    resumed = Files(url, repeat=True, n_active_shards=8)
+    resumed.load_state_dict(state)
+    assert [next(resumed)["text"] for _ in range(3)] == [text] * 3
+
+
+def test_tokenize_reads_ahead_a_bounded_number_of_characters():
+    """Long documents close a batch early: what Tokenize reads ahead is about 2 * num_threads
+    batches of a million characters, not 2 * num_threads * 64 documents."""
+    doc = " ".join("abc" * 50_000)  # 300,000 characters
+    pulled = []
+    source = Map(Sequence([{"text": doc}], repeat=True), lambda s: pulled.append(1) or s)
+    tokenize = Tokenize(source, TOY, num_threads=1)
+    assert next(tokenize)["input_ids"][:2] == [3, 4]
+    assert len(pulled) * len(doc) <= 2 * (2**20 + len(doc)), f"read {len(pulled)} documents"
+    tokenize.close()
+
+
+def texts(lengths, seed):
+    rng = random.Random(seed)
+    return [{"text": " ".join(rng.choices("abc", k=n)), "doc": i} for i, n in enumerate(lengths)]
+
+
+def tokenize(items, budget, max_chars=None, threads=1):
+    """Tokenize over an endless Sequence, a batch closing at 4 records or ``budget`` chars
+    (math.inf: no budget, as older versions)."""
+    stage = Tokenize(Sequence(items, repeat=True), TOY, num_threads=threads, batch_size=4,
+                     max_chars=max_chars)
+    stage.BATCH_CHARS = budget
+    return stage
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=12), seed=st.integers(0, 3),
+       budgets=st.lists(st.sampled_from([math.inf, 1, 10, 25, 70]), min_size=1, max_size=4),
+       max_chars=st.sampled_from([None, 9]), threads=st.integers(1, 2),
+       cuts=st.lists(st.integers(0, 50), min_size=1, max_size=3))
+def test_tokenize_resumes_exactly_whatever_the_batches(lengths, seed, budgets, max_chars,
+                                                       threads, cuts):
+    """Cut at random points, the first part run without a character budget (as older
+    versions), each later one with another: the stream is that of a run that never stopped.
+    A state's skip counts samples since its snapshot, and carries on into the next batch."""
+    items, total = texts(lengths, seed), 50
+    straight = run_with_cuts(lambda: tokenize(items, math.inf, max_chars, threads), [], total)
+    parts = iter([math.inf] + budgets * len(cuts))
+    assert run_with_cuts(lambda: tokenize(items, next(parts), max_chars, threads), cuts,
+                         total) == straight
+
+
+def test_a_skip_larger_than_the_first_batch_carries_on():
+    """A state saved with 8-record batches (an older version, no budget) 6 samples in,
+    loaded where each batch holds one document: the skip passes 6 batches, not 6 samples of
+    the first (which has one), and the stream goes on exactly."""
+    items = texts([10] * 30, seed=1)  # 19 characters each
+    old = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
+    old.BATCH_CHARS = math.inf
+    straight = take(old, 40)
+    old = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
+    old.BATCH_CHARS = math.inf
+    take(old, 6)
+    state = json.loads(json.dumps(old.state_dict()))
+    assert state["skip"] == 6
+    new = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
+    new.BATCH_CHARS = 19  # one document per batch
+    new.load_state_dict(state)
+    assert take(new, 34) == straight[6:]
+    assert len(new._batch) == 1

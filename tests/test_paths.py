@@ -1,0 +1,68 @@
+"""Paths: the shipped defaults are found next to the script from any directory, a run records
+them absolute, and a path that does not exist or does not load is one paragraph naming it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import (
+    ENV,
+    ROOT,
+    refused,
+    script,
+    train,
+    train_args,
+)
+from transformers import AutoTokenizer
+
+import train_llm
+import utils
+
+
+def test_the_defaults_resolve_next_to_the_script_from_any_directory(tmp_path, capsys,
+                                                                    monkeypatch):
+    """Run from another directory with the shipped defaults: they are found next to
+    train_llm.py, and the run records absolute paths, so generate.py works from anywhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train_llm.py"), "-e", "d", "--save-dir", "runs",
+         "--max-steps", "1", "--seq-length", "32", "--batch-size", "2", "--val-batches", "1",
+         "--sample-tokens", "0", "--wandb", "disabled"],
+        cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((elsewhere / "runs/d/state.json").read_text())["config"]
+    for name in ("dataset", "val_dataset", "tokenizer", "model_name"):
+        assert os.path.isabs(config[name]) and config[name].startswith(str(ROOT)), name
+    monkeypatch.chdir(tmp_path)
+    assert script("generate", [elsewhere / "runs/d", "--prompt", "The", "--max-new-tokens", 2],
+                  capsys, monkeypatch).startswith("The")
+
+
+def test_paths_that_do_not_exist_are_one_paragraph(tmp_path, tiny_model, capsys, monkeypatch):
+    missing = str(tmp_path / "no/such/dir")
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        utils.pretrained(AutoTokenizer, missing, "--tokenizer")
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        utils.load_trained(missing)
+    for name in ("generate", "export_hf"):
+        argv = [missing, "--prompt", "x"] if name == "generate" else [missing, "--out", "o"]
+        with pytest.raises(SystemExit) as exit_:
+            script(name, argv, capsys, monkeypatch)
+        assert "no such file or directory" in str(exit_.value.code), name
+    for flag in ("tokenizer", "model_name", "init_from"):
+        args = train_llm.parse_args(train_args(tmp_path, tiny_model, **{flag: missing}))
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            train_llm.build_model(args, torch.device("cpu"))
+    # Through the CLI: one paragraph (an OSError, like every expected failure).
+    result = train(train_args(tmp_path, tiny_model, name="i", max_steps=1, init_from=missing))
+    refused(result, missing, "no such file or directory")
+
+
+def test_a_local_model_directory_that_does_not_load_is_called_that(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(OSError, match="a local directory that does not load"):
+        utils.pretrained(AutoTokenizer, str(tmp_path), "--model-name")

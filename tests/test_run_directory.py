@@ -1,0 +1,198 @@
+"""What a rerun finds in a run directory: a resume starts from the newest complete checkpoint,
+nothing the run did not write is deleted, and what cannot be resumed is one paragraph with the
+way on (exit code, the key words of the message, no traceback)."""
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import (
+    ENV,
+    ROOT,
+    copy_run,
+    global_step,
+    metrics,
+    refused,
+    script,
+    snapshot,
+    train,
+    train_args,
+)
+
+import utils
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_a_lost_state_json_resumes_from_the_newest_checkpoint_and_deletes_nothing(
+        ten_steps, tmp_path, tiny_model, damage):
+    exp = copy_run(ten_steps, tmp_path)
+    if damage == "missing":
+        (exp / "state.json").unlink()
+    else:
+        (exp / "state.json").write_text('{"global_step": 1')
+    before = snapshot(exp / "checkpoints")
+    # A rerun with a smaller --max-steps deletes no checkpoint.
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=3, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    assert "the newest complete checkpoint" in result.stderr and "is done" in result.stderr
+    assert snapshot(exp / "checkpoints") == before
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    assert "Resuming" in result.stderr and "step 10 of 12" in result.stderr
+    assert global_step(exp) == 12 and [r["step"] for r in metrics(exp)] == list(range(1, 13))
+
+
+def test_a_state_json_without_a_state_resumes_from_the_newest_checkpoint(
+        four_steps, tmp_path, tiny_model):
+    exp = copy_run(four_steps, tmp_path)
+    for content in ("[]", "null", '{"global_step": 4}'):
+        (exp / "state.json").write_text(content)
+        state, why = utils.run_state(exp)
+        assert state["checkpoint"] == "checkpoints/step-000004" and "is unreadable" in why
+    (exp / "state.json").write_text("{}")
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=5))
+    assert result.returncode == 0, result.stderr
+    assert "is unreadable" in result.stderr and global_step(exp) == 5
+
+
+def test_resume_from_rolls_back_and_trains_the_same_steps_again(ten_steps, tmp_path, tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    final = torch.load(exp / "checkpoints/step-000010/model.pt", weights_only=True)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10, ckpt_freq=5,
+                              resume_from="step-000005", keep_checkpoints=0))
+    assert result.returncode == 0, result.stderr
+    assert "as --resume-from asks" in result.stderr
+    again = torch.load(exp / "checkpoints/step-000010/model.pt", weights_only=True)
+    assert all(torch.equal(final[k], again[k]) for k in final)  # the same steps, bit for bit
+    assert [r["step"] for r in metrics(exp)] == list(range(1, 11))  # each step logged once
+    result = train(train_args(tmp_path, tiny_model, name="k", resume_from="step-000007"))
+    refused(result, "--resume-from step-000007: no complete checkpoint",
+            "step-000005, step-000010")
+
+
+@pytest.mark.parametrize("damage", ["truncated model.pt", "directory gone"])
+def test_a_damaged_checkpoint_is_one_paragraph_with_the_way_on(ten_steps, tmp_path, tiny_model,
+                                                               damage):
+    exp = copy_run(ten_steps, tmp_path)
+    model = exp / "checkpoints/step-000010/model.pt"
+    if damage == "directory gone":
+        subprocess.run(["rm", "-r", str(model.parent)], check=True)
+    else:
+        model.write_bytes(model.read_bytes()[:1000])
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=15, ckpt_freq=5))
+    refused(result, f"The checkpoint {exp}/checkpoints/step-000010 is damaged: {model} does "
+            "not load", f"The previous checkpoint {exp}/checkpoints/step-000005 is complete",
+            "--resume-from step-000005")
+    assert snapshot(exp) == before  # nothing written, nothing deleted
+    command = result.stderr.strip().splitlines()[-1].strip()
+    assert command.startswith(f"cd {ROOT} && python train_llm.py ")
+    command = command.replace(" && python ", f" && {shlex.quote(sys.executable)} ", 1)
+    again = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=ENV,  # from elsewhere
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert global_step(exp) == 15
+
+
+def test_a_damaged_newest_checkpoint_points_generate_and_init_from_to_the_older_one(
+        four_steps, tmp_path, tiny_model, capsys, monkeypatch):
+    exp = copy_run(four_steps, tmp_path)
+    model = exp / "checkpoints/step-000004/model.pt"
+    model.write_bytes(model.read_bytes()[:1000])
+    older = exp / "checkpoints/step-000002"
+    with pytest.raises(SystemExit) as exit_:
+        script("generate", [exp, "--prompt", "The"], capsys, monkeypatch)
+    assert f"{model} does not load" in exit_.value.code
+    assert f"The previous checkpoint {older} is complete" in exit_.value.code
+    result = train(train_args(tmp_path, tiny_model, name="sft", max_steps=1, init_from=exp))
+    refused(result, f"{model} does not load", f"The previous checkpoint {older} is complete")
+    assert script("generate", [older, "--prompt", "The", "--max-new-tokens", 2],
+                  capsys, monkeypatch).startswith("The")
+
+
+def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
+    """--fsdp's dcp/ shards that do not load (torch.distributed.checkpoint raises a
+    BaseException, which a plain `except Exception` misses)."""
+    run = tmp_path / "run"
+    config = {"model_name": str(ROOT / "assets/tiny-gpt2"), "init_from": None,
+              "tokenizer": str(ROOT / "assets/tokenizer")}
+    for step in (1, 2):
+        ckpt = run / f"checkpoints/step-00000{step}"
+        (ckpt / "dcp").mkdir(parents=True)
+        (ckpt / "state.json").write_text(json.dumps(
+            {"global_step": step, "checkpoint": f"checkpoints/step-00000{step}",
+             "config": config}))
+    (run / "checkpoints/step-000002/dcp/.metadata").write_bytes(b"not a checkpoint")
+    with pytest.raises(OSError, match="The previous checkpoint .*step-000001 is complete"):
+        utils.load_trained(run / "checkpoints/step-000002")
+
+
+def test_hand_edits_of_args_json_and_metrics_jsonl_give_no_traceback(ten_steps, tmp_path,
+                                                                     tiny_model):
+    """args.json broken by hand is refused before anything changes; notes a user added to
+    metrics.jsonl stay through a resume. A copied run gets a wandb run of its own."""
+    exp = copy_run(ten_steps, tmp_path)
+    args_json = exp / "args.json"
+    good = args_json.read_text()
+    args_json.write_text(good.rstrip()[:-1] + ",]")  # a trailing comma
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    refused(result, f"{args_json} is not the JSON list of starts", "Nothing was changed")
+    assert snapshot(exp) == before
+    args_json.write_text(good)
+    with open(exp / "metrics.jsonl", "a") as f:
+        f.write('"lr looked high here"\n{"note": "try 3e-3"}\n')
+    for state in (exp / "state.json", exp / "checkpoints/step-000010/state.json"):
+        state.write_text(state.read_text().replace('"wandb_run_id": null',
+                                                   '"wandb_run_id": "of-the-original"'))
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
+    assert result.returncode == 0, result.stderr
+    lines = (exp / "metrics.jsonl").read_text().splitlines()
+    assert '"lr looked high here"' in lines and '{"note": "try 3e-3"}' in lines
+    assert f"{exp} is a copy of {ten_steps.resolve()}" in result.stderr
+    assert json.loads((exp / "state.json").read_text())["wandb_run_id"] is None
+
+
+def test_a_checkpoint_of_another_run_is_refused_by_name_and_never_deleted(ten_steps, tmp_path,
+                                                                          tiny_model):
+    exp = copy_run(ten_steps, tmp_path)
+    foreign = exp / "checkpoints/step-000012"  # newer than the run's own: it would be resumed
+    shutil.copytree(exp / "checkpoints/step-000005", foreign)
+    state = json.loads((foreign / "state.json").read_text())
+    (foreign / "state.json").write_text(json.dumps(
+        {**state, "run_id": "another-run", "run_dir": "/elsewhere/other-run"}))
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=20, ckpt_freq=5))
+    refused(result, "checkpoints that this run did not save: step-000012 was saved by the run "
+            "in /elsewhere/other-run", "Nothing was changed")
+    assert snapshot(exp) == before
+
+
+def test_keeping_k_checkpoints_deletes_only_the_runs_own(tmp_path):
+    other = tmp_path / "checkpoints/step-000000"
+    other.mkdir(parents=True)
+    (other / "state.json").write_text('{"run_id": "another-run"}')
+    state = {"global_step": 0, "run_id": "this-run"}
+    for step in (1, 2, 3):
+        utils.write_checkpoint(tmp_path, step, {"a.pt": torch.ones(1)}, state, keep=1)
+    utils.discard_after(tmp_path, 3, "this-run")
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir()
+                   if not p.name.endswith(".deleted"))
+    assert names == ["step-000000", "step-000003"]
+
+
+def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, tmp_path,
+                                                                     tiny_model):
+    """The user freed the disk of a finished run (checkpoints/, state.json) and kept its
+    metrics.jsonl and hf/: the same command must not start over on top of them."""
+    exp = copy_run(ten_steps, tmp_path)
+    shutil.rmtree(exp / "checkpoints")
+    (exp / "state.json").unlink()
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10))
+    refused(result, "holds what a finished run left", "Nothing was changed")
+    assert snapshot(exp) == before
