@@ -45,6 +45,7 @@ def logits(model, ids):
         return model.eval()(input_ids=ids).logits
 
 
+@pytest.mark.slow
 def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeypatch):
     """{run}/hf/ loads in plain transformers with the last checkpoint's logits; export_hf.py
     exports an older checkpoint, whose logits differ."""
@@ -61,6 +62,7 @@ def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeyp
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out), ids), logits(old, ids))
 
 
+@pytest.mark.slow
 def test_an_export_keeps_what_the_user_added(run_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "my-model"
     script("export_hf", [run_dir, "--out", out], capsys, monkeypatch)
@@ -75,6 +77,7 @@ def test_an_export_keeps_what_the_user_added(run_dir, tmp_path, capsys, monkeypa
         "step-000005")
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_per_seed(run_dir, capsys, monkeypatch):
     def text(model, seed):
         return script("generate", [model, "--prompt", "The river", "--seed", seed,
@@ -86,6 +89,7 @@ def test_generate_is_deterministic_per_seed(run_dir, capsys, monkeypatch):
     assert text(run_dir, 1) != first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["model.pt", "dcp"])
 def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged_the_newer_one_loads(
         run_dir, layout, tmp_path, monkeypatch, capfd, caplog):
@@ -122,6 +126,7 @@ def test_a_checkpoint_deleted_while_it_is_read_is_not_damaged_the_newer_one_load
     assert not [r for r in caplog.records if r.exc_info], caplog.text  # (pytest holds logs)
 
 
+@pytest.mark.slow
 def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tmp_path, capsys,
                                                          monkeypatch):
     """A new run starts from the weights of each kind of source. Its one update at --lr 1e-30
@@ -147,6 +152,7 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
         assert ("### Instruction:\nName a color." in out) == template, out
 
 
+@pytest.mark.slow
 def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir, tiny_model,
                                                                           tmp_path):
     """An --init-from run on one file that samples at each validation, killed after step 14
@@ -211,6 +217,7 @@ def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, ca
                         .state_dict())
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps, tmp_path,
                                                                      tiny_model):
     """What a kill during the end-of-run export of a resumed run leaves: the previous end's
@@ -234,6 +241,7 @@ def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps,
     assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, tiny_model):
     exp = copy_run(four_steps, tmp_path)
     shutil.rmtree(exp / "hf")
@@ -254,6 +262,7 @@ def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, ti
                         utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
 
 
+@pytest.mark.slow
 def test_a_run_from_another_runs_weights_keeps_that_runs_tokenizer(tmp_path, tiny_model):
     """A run ("pre") trained with another tokenizer (the shipped one with two ids swapped): the
     SFT run from it uses that one unless told otherwise, and refuses one that differs."""

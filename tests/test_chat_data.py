@@ -36,6 +36,7 @@ def chat_data(tmp_path):
                       {"role": "assistant", "content": f"{i} {i}."}]} for i in range(200)])
 
 
+@pytest.mark.slow
 def test_chat_data_trains_samples_and_generates_with_the_chat_template(
         tmp_path, tiny_model, capsys, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
@@ -66,6 +67,7 @@ def test_the_prompt_layout_is_read_from_the_training_split(tmp_path):
     assert data.sft_format(args.dataset, seed=args.seed) == "instruction"
 
 
+@pytest.mark.slow
 def test_chat_data_with_a_tokenizer_without_a_chat_template_is_refused(tmp_path, tiny_model):
     chat = chat_data(tmp_path)
     result = train(train_args(tmp_path, tiny_model, name="c", task="sft", dataset=chat,

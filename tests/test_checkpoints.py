@@ -19,6 +19,7 @@ FLAGS = dict(checkpoint_writer="background", max_steps=12, ckpt_freq=4, grad_acc
              sample_tokens=0)
 
 
+@pytest.mark.slow
 def test_a_kill_while_a_background_write_is_in_flight_resumes_bit_identically(tmp_path,
                                                                               tiny_model):
     """The save of step 8 is held in its writer (tests/crashing_train.py, HOLD_STEP) while

@@ -58,6 +58,7 @@ def straight(tmp_path_factory, project, tiny_model):
     return save_dir / "run"
 
 
+@pytest.mark.slow
 def test_without_the_shipped_files_every_missing_flag_is_named_and_nothing_written(project):
     result = run_in(project, "my_train.py", ["--experiment-name", "demo"])
     refused(result, "--tokenizer", "--model-name", "--dataset", "--val-dataset", "Nothing was")
@@ -65,6 +66,7 @@ def test_without_the_shipped_files_every_missing_flag_is_named_and_nothing_writt
     assert not (project / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_a_start_that_fails_before_training_leaves_no_directory(project, tiny_model, tmp_path):
     result = run_in(project, "my_train.py", args_for(tmp_path / "runs", tiny_model,
                                                      tokenizer=tmp_path / "no-such-tokenizer"))
@@ -90,6 +92,7 @@ def test_the_copy_trains_its_own_model_and_resumes_exactly(straight, project, ti
     assert all(torch.equal(resumed[k], final[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_the_kits_scripts_and_init_from_rebuild_the_copys_model(straight, tiny_model, tmp_path):
     ckpt = straight / "checkpoints/step-000004"  # an older checkpoint: rebuilt, not hf/
     result = kit_script("generate", [ckpt, "--prompt", "def", "--max-new-tokens", "4"])
@@ -103,6 +106,7 @@ def test_the_kits_scripts_and_init_from_rebuild_the_copys_model(straight, tiny_m
     assert "transformer.h.2.attn.c_attn.weight" in weights(tmp_path / "sft/checkpoints/step-000002")
 
 
+@pytest.mark.slow
 def test_a_run_whose_script_is_gone_says_so_in_one_paragraph(straight, project, tmp_path):
     (project / "my_train.py").rename(project / "moved.py")
     try:
@@ -113,6 +117,7 @@ def test_a_run_whose_script_is_gone_says_so_in_one_paragraph(straight, project, 
     assert "damaged" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_changed_create_model_is_told_apart_from_damage(straight, project, tiny_model,
                                                           tmp_path):
     """The checkpoint loads; the model the script builds now is another one. Neither the
@@ -131,6 +136,7 @@ def test_a_changed_create_model_is_told_apart_from_damage(straight, project, tin
     assert "is damaged" not in result.stderr + resume.stderr
 
 
+@pytest.mark.slow
 def test_a_moved_kit_resumes_its_runs_with_the_same_command(tiny_model, tmp_path):
     """The whole kit (shipped data and tokenizer included) moved to another directory between
     two starts: the run resumes there from the same command, with the shipped files at their

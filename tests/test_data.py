@@ -279,6 +279,7 @@ def test_prefetch_close_stops_a_blocked_producer():
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     """A pipeline with background threads, dropped without close(), must let Python exit."""
     shard = write_jsonl(tmp_path / "a.jsonl", [{"text": "a b c " * 50}] * 200)

@@ -110,6 +110,7 @@ def test_an_unchanged_shard_resumes_exactly(n, suffix, slots, older, cuts):
         assert run_with_cuts(make, cuts, 130) == straight
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_a_shard_replaced_by_a_same_size_shuffle(tmp_path, tiny_model):
     """End to end: a same-size shuffled copy put in place between two runs is refused in one
     paragraph: not blamed on a valid line, nor trained on with exit 0."""
@@ -130,6 +131,7 @@ def test_the_trainer_refuses_a_shard_replaced_by_a_same_size_shuffle(tmp_path, t
     assert "Traceback" not in result.stderr and "bad record" not in result.stderr
 
 
+@pytest.mark.slow
 def test_resume_from_checks_the_data_before_it_lets_later_checkpoints_go(tmp_path, tiny_model):
     """--resume-from step-000002 after the shards changed (same sizes, lines shuffled): refused
     before the later checkpoints, metrics.jsonl or state.json are touched."""

@@ -24,6 +24,7 @@ def test_a_format_the_name_does_not_tell_is_a_data_error_naming_the_flag(tmp_pat
         assert words in message, (words, message)
 
 
+@pytest.mark.slow
 def test_a_shard_named_otherwise_trains_with_data_format(tmp_path, tiny_model):
     """(Without the flag, a DataError names it: test_data_faults.py.)"""
     orig = tmp_path / "one.jsonl.orig"
@@ -34,6 +35,7 @@ def test_a_shard_named_otherwise_trains_with_data_format(tmp_path, tiny_model):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_a_txt_dataset_trains(tmp_path, tiny_model):
     texts = tmp_path / "texts"
     texts.mkdir()

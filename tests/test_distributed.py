@@ -198,6 +198,7 @@ def test_reshard_refuses_stages_it_cannot_split():
 # train_llm.py under torchrun
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ranks_read_disjoint_documents_whose_union_is_the_one_rank_run(
         two_ranks, tiny_model, corpus, tmp_path):
     one = tmp_path / "run"
@@ -254,6 +255,7 @@ def assert_no_orphans(exp_dir, timeout=30):
                 time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(
         two_ranks, tiny_model, corpus, tmp_path):
     # Written in the background (the barriers on the writer's own gloo group), the reference
@@ -271,6 +273,7 @@ def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(
             == [[row.get(k) for k in keys] for row in metrics(two_ranks)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_path, before,
                                            after):
@@ -293,6 +296,7 @@ def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_pa
     assert rows[6]["loss"] < rows[0]["loss"] - 1.0, (rows[0]["loss"], rows[6]["loss"])
 
 
+@pytest.mark.slow
 def test_a_changed_global_batch_is_refused(two_ranks, tiny_model, corpus):
     before = digest(two_ranks / "state.json")
     result = subprocess.run(ranks_command(corpus_args(two_ranks.parent, tiny_model, corpus,
@@ -303,6 +307,7 @@ def test_a_changed_global_batch_is_refused(two_ranks, tiny_model, corpus):
     assert digest(two_ranks / "state.json") == before
 
 
+@pytest.mark.slow
 def test_skipped_records_are_counted_over_all_ranks(tiny_model, tmp_path):
     """A bad first line in each of 4 shards, 2 ranks reading 2 shards each: by step 20 every
     rank has handed on its first tokenizer batch (64 documents), which held its 2 skips, and
@@ -319,6 +324,7 @@ def test_skipped_records_are_counted_over_all_ranks(tiny_model, tmp_path):
         == [4]
 
 
+@pytest.mark.slow
 def test_uneven_finite_data_stops_every_rank(tiny_model, tmp_path):
     """--epochs 1 over shards of very different sizes: rank 1's slots (21 documents, 5 steps
     of 4) run dry long before rank 0's. Both ranks stop at the same step, save (or, when that
@@ -365,6 +371,7 @@ def test_the_failing_ranks_paragraph_is_said_last_and_the_others_stop_quietly(ti
     assert "Connection closed" not in err and "[rank0]:" not in err, err
 
 
+@pytest.mark.slow
 def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):
     """FSDP2 on CPU with gloo: a run killed and resumed equals one that was not, and its first
     step equals DDP's up to float rounding (same data, same math)."""
@@ -412,6 +419,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow
 def test_a_hung_rank_fails_the_others_after_the_short_timeout(tmp_path):
     """What --dist-timeout relies on: after utils.set_collective_timeout, a collective that a
     rank never joins fails in seconds (gloo's default would wait 30 minutes)."""

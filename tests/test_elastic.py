@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import (
     CORPUS_STEPS,
     ENV,
@@ -57,6 +58,7 @@ def wait_for_starts(log, n, proc, timeout):
     wait_for(lambda: len(starts(log.read_text())) >= n, proc, timeout)
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_each_killed_worker_and_ends_bit_identical(
         two_ranks, tiny_model, corpus, tmp_path):
     """One torchrun --max-restarts 5 run, a worker (rank 1, then 0, ...) SIGKILLed after each
@@ -101,6 +103,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_elastic_membership_finishes_alone_with_every_document_once(
         two_ranks, tiny_model, corpus, tmp_path):
     """Two torchrun agents (--nnodes 1:2, c10d rendezvous on 127.0.0.1), --global-batch-size

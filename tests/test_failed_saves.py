@@ -102,6 +102,7 @@ def uncrashed(tmp_path_factory, tiny_model):
     return final, (tmp / "steps").read_text().split(",")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("at", ["fsync", "rename", "replace"])
 def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_model, uncrashed,
                                                                at):
@@ -123,6 +124,7 @@ def test_a_crash_inside_a_save_then_the_rerun_is_bit_identical(tmp_path, tiny_mo
     assert all(torch.equal(final[k], again[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_saving_names_the_file_and_keeps_the_last_checkpoint(
         ten_steps, tmp_path, tiny_model):
     exp = copy_run(ten_steps, tmp_path)

@@ -25,6 +25,7 @@ import train_llm
 import utils
 
 
+@pytest.mark.slow
 def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
     def run(*flags, **overrides):
         name = f"r{len(list(tmp_path.iterdir()))}"
@@ -51,6 +52,7 @@ def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
     refused(train(train_args(tmp_path / "not-a-dir", tiny_model)), "not-a-dir")
 
 
+@pytest.mark.slow
 def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     empty = jsonl(tmp_path / "empty.jsonl", [{"text": ""}] * 100)
     result = train(train_args(tmp_path, tiny_model, name="e", dataset=empty, max_steps=3))
@@ -58,6 +60,7 @@ def test_empty_documents_are_refused_at_the_start(tmp_path, tiny_model):
     assert not (tmp_path / "e/checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_too_little_data_or_an_edited_shard_is_said_not_passed_over(tmp_path, tiny_model):
     small = jsonl(tmp_path / "small.jsonl", [{"text": "a b c"}] * 3)
     refused(train(train_args(tmp_path, tiny_model, name="tiny", dataset=small, epochs=1)),
@@ -83,6 +86,7 @@ def test_too_little_data_or_an_edited_shard_is_said_not_passed_over(tmp_path, ti
                              ckpt_freq=2)), "files of --dataset changed", "changed size", docs)
 
 
+@pytest.mark.slow
 def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(tmp_path,
                                                                                 tiny_model):
     shard = tmp_path / "bad.jsonl"  # read by the first step: a failure once training began
@@ -94,6 +98,7 @@ def test_a_failure_is_one_paragraph_on_the_console_and_a_traceback_in_train_log(
     assert "bad.jsonl" in log and "Traceback" in log
 
 
+@pytest.mark.slow
 def test_a_start_that_fails_before_training_leaves_nothing_and_says_so(tmp_path, tiny_model):
     result = train(train_args(tmp_path / "runs", tiny_model, dataset=tmp_path / "missing.jsonl"))
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -127,6 +132,7 @@ def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_pat
             (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
     """The first backward pass runs out of memory (as a too large --batch-size does on a GPU):
     one paragraph with the way on, no traceback."""
@@ -171,6 +177,7 @@ def test_wandb_online_without_a_login_is_one_paragraph(tmp_path, monkeypatch):
         stop.value) and "--wandb offline" in str(stop.value)
 
 
+@pytest.mark.slow
 def test_a_signal_stops_a_run_that_is_still_starting(tmp_path, tiny_model):
     """SIGTERM while the first batch is being read (here: from a server that accepts and never
     answers, which would take minutes of timeouts and retries) ends the start at once."""

@@ -4,6 +4,7 @@ saved config lacks counts as its default; paths that name the same files go on."
 
 import json
 
+import pytest
 from helpers import (
     ROOT,
     copy_run,
@@ -29,6 +30,7 @@ def test_a_checkpoint_of_another_run_is_refused(four_steps, tmp_path, tiny_model
     assert snapshot(exp) == before
 
 
+@pytest.mark.slow
 def test_a_flag_newer_than_the_run_counts_as_its_default(four_steps, tmp_path, tiny_model):
     """A run saved before --data-format existed (no key in its configs), resumed with a
     non-default --data-format: refused by name, as if the run had had the default."""
@@ -46,6 +48,7 @@ def test_a_flag_newer_than_the_run_counts_as_its_default(four_steps, tmp_path, t
     assert result.returncode == 0, result.stderr  # the default: the run goes on
 
 
+@pytest.mark.slow
 def test_other_data_arguments_are_not_called_damage(ten_steps, tmp_path, tiny_model):
     exp = copy_run(ten_steps, tmp_path)
     before = snapshot(exp)
@@ -56,6 +59,7 @@ def test_other_data_arguments_are_not_called_damage(ten_steps, tmp_path, tiny_mo
     assert "damaged" not in result.stderr and snapshot(exp) == before
 
 
+@pytest.mark.slow
 def test_a_run_of_an_earlier_version_with_relative_paths_still_resumes(four_steps, tmp_path,
                                                                        tiny_model):
     """Earlier versions recorded the shipped defaults as typed (relative): resumed from the

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ENV, ROOT, train_args
 
 MAX_STEPS = 5  # the last step validates and saves: its reads are not a step's
@@ -48,11 +49,13 @@ def assert_one_wait_per_step(per_rank):
             assert len(reads) <= 1 and not uploads, f"rank {rank}, step {step}: {steps[step]}"
 
 
+@pytest.mark.slow
 def test_one_wait_per_step_with_odm(tmp_path, tiny_model):
     """--odm: the domain ids of each micro-batch go to the device without a wait."""
     assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, odm="exp3"))
 
 
+@pytest.mark.slow
 def test_one_wait_per_step_on_two_ranks_with_epochs(tmp_path, tiny_model):
     """--epochs on 2 ranks: whether every rank still has data is agreed on the CPU."""
     assert_one_wait_per_step(waits_per_step(tmp_path, tiny_model, ranks=2, epochs=3))

@@ -7,6 +7,7 @@ import math
 import random
 import resource
 
+import pytest
 from helpers import (
     examples,
     run_with_cuts,
@@ -24,6 +25,7 @@ from data import Files, Map, Sequence, Tokenize
 TOY = toy_tokenizer()
 
 
+@pytest.mark.slow
 def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
     """A 50 MB line among 20,000 normal ones: cut into pieces before tokenizing, so the first
     steps come soon, memory stays low and the loader state small."""
@@ -43,6 +45,7 @@ def test_one_huge_document_stays_bounded(tmp_path, tiny_model):
     assert loader.stat().st_size < 5 * 2**20
 
 
+@pytest.mark.slow
 def test_one_ten_million_character_document_trains_soon_in_bounded_memory(tmp_path, tiny_model):
     """`train_llm.py --dataset one.jsonl` with one 10 M-character line: 8 slots cut it into 8
     splits, 7 of them empty, and the endless stream is that one document again and again.

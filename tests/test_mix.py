@@ -133,6 +133,7 @@ def test_a_mix_state_from_other_domains_is_refused():
         make_mix([1, 1, 1], "exp3", 0, 0, False).load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model, tmp_path):
     """`--odm exp3` on the four sample domains: SIGKILL once inside the warm-up and once after
     it; the restarted run ends with the very weights, loader state and probability

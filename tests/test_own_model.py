@@ -61,6 +61,7 @@ def final_weights(exp_dir):
     return torch.load(exp_dir / f"checkpoints/step-{STEPS:06d}/model.pt", weights_only=True)
 
 
+@pytest.mark.slow
 def test_it_trains_samples_and_says_there_is_no_hf_export(straight):
     exp_dir, log = straight
     rows = metrics(exp_dir)
@@ -73,6 +74,7 @@ def test_it_trains_samples_and_says_there_is_no_hf_export(straight):
     assert not (exp_dir / "hf").exists()
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_it_ends_bit_identical(straight, project, tmp_path):
     exp_dir = tmp_path / "run"
     args = args_for(tmp_path)
@@ -90,6 +92,7 @@ def test_killed_and_resumed_it_ends_bit_identical(straight, project, tmp_path):
     assert rerun.returncode == 0 and "Traceback" not in rerun.stderr, rerun.stderr
 
 
+@pytest.mark.slow
 def test_generate_and_init_from_rebuild_it_from_the_run(straight, project, tmp_path):
     exp_dir = straight[0]
     result = kit_script("generate", [exp_dir, "--prompt", "def", "--max-new-tokens", "8"])
@@ -100,6 +103,7 @@ def test_generate_and_init_from_rebuild_it_from_the_run(straight, project, tmp_p
     assert "tokens.weight" in torch.load(weights, weights_only=True)
 
 
+@pytest.mark.slow
 def test_what_needs_transformers_refuses_at_start(straight, project, tmp_path):
     result = kit_script("export_hf", [straight[0], "--out", tmp_path / "out"])
     refused(result, "a model of its own", "no Hugging Face layout")

@@ -22,6 +22,7 @@ import train_llm
 import utils
 
 
+@pytest.mark.slow
 def test_the_defaults_resolve_next_to_the_script_from_any_directory(tmp_path, capsys,
                                                                     monkeypatch):
     """Run from another directory with the shipped defaults: they are found next to
@@ -42,6 +43,7 @@ def test_the_defaults_resolve_next_to_the_script_from_any_directory(tmp_path, ca
                   capsys, monkeypatch).startswith("The")
 
 
+@pytest.mark.slow
 def test_paths_that_do_not_exist_are_one_paragraph(tmp_path, tiny_model, capsys, monkeypatch):
     missing = str(tmp_path / "no/such/dir")
     with pytest.raises(FileNotFoundError, match="no such file or directory"):

@@ -143,7 +143,8 @@ def test_sft_samples_reshard_exactly_once_packed_or_padded(tmp_path_factory, p):
             return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True)
         try:
             pipe = data.source(urls, train=True, rank=rank, world_size=world, sft=True,
-                               slots=args.active_shards, seed=args.seed, tokenizer=TOKENIZER)
+                               slots=args.active_shards, epochs=args.epochs, seed=args.seed,
+                               tokenizer=TOKENIZER)
         except data.DataError:  # fewer records than slots: refused at start, as by the trainer
             raise data.SplitError("too few", 1) from None
         pipe = data.Pad(data.FormatInstructions(pipe, TOKENIZER), p["length"], pad_id=0)

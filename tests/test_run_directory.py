@@ -26,6 +26,7 @@ from helpers import (
 import utils
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "torn"])
 def test_a_lost_state_json_resumes_from_the_newest_checkpoint_and_deletes_nothing(
         ten_steps, tmp_path, tiny_model, damage):
@@ -46,6 +47,7 @@ def test_a_lost_state_json_resumes_from_the_newest_checkpoint_and_deletes_nothin
     assert global_step(exp) == 12 and [r["step"] for r in metrics(exp)] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_a_state_json_without_a_state_resumes_from_the_newest_checkpoint(
         four_steps, tmp_path, tiny_model):
     exp = copy_run(four_steps, tmp_path)
@@ -59,6 +61,7 @@ def test_a_state_json_without_a_state_resumes_from_the_newest_checkpoint(
     assert "is unreadable" in result.stderr and global_step(exp) == 5
 
 
+@pytest.mark.slow
 def test_resume_from_rolls_back_and_trains_the_same_steps_again(ten_steps, tmp_path, tiny_model):
     exp = copy_run(ten_steps, tmp_path)
     final = torch.load(exp / "checkpoints/step-000010/model.pt", weights_only=True)
@@ -74,6 +77,7 @@ def test_resume_from_rolls_back_and_trains_the_same_steps_again(ten_steps, tmp_p
             "step-000005, step-000010")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated model.pt", "directory gone"])
 def test_a_damaged_checkpoint_is_one_paragraph_with_the_way_on(ten_steps, tmp_path, tiny_model,
                                                                damage):
@@ -98,6 +102,7 @@ def test_a_damaged_checkpoint_is_one_paragraph_with_the_way_on(ten_steps, tmp_pa
     assert global_step(exp) == 15
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_points_generate_and_init_from_to_the_older_one(
         four_steps, tmp_path, tiny_model, capsys, monkeypatch):
     exp = copy_run(four_steps, tmp_path)
@@ -131,6 +136,7 @@ def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
         utils.load_trained(run / "checkpoints/step-000002")
 
 
+@pytest.mark.slow
 def test_hand_edits_of_args_json_and_metrics_jsonl_give_no_traceback(ten_steps, tmp_path,
                                                                      tiny_model):
     """args.json broken by hand is refused before anything changes; notes a user added to
@@ -157,6 +163,7 @@ def test_hand_edits_of_args_json_and_metrics_jsonl_give_no_traceback(ten_steps, 
     assert json.loads((exp / "state.json").read_text())["wandb_run_id"] is None
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_refused_by_name_and_never_deleted(ten_steps, tmp_path,
                                                                           tiny_model):
     exp = copy_run(ten_steps, tmp_path)
@@ -185,6 +192,7 @@ def test_keeping_k_checkpoints_deletes_only_the_runs_own(tmp_path):
     assert names == ["step-000000", "step-000003"]
 
 
+@pytest.mark.slow
 def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, tmp_path,
                                                                      tiny_model):
     """The user freed the disk of a finished run (checkpoints/, state.json) and kept its

@@ -98,6 +98,7 @@ def test_losses_ignore_masked_targets():
                                                                           targets[1, [2]]))
 
 
+@pytest.mark.slow
 def test_sft_demo_trains_and_resumes_exactly(tiny_model, tmp_path):
     """`--task sft` end to end on the shipped instruction data: it learns, and a run killed
     after its first checkpoint and restarted ends with the very weights of one that was not."""

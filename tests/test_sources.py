@@ -394,6 +394,7 @@ def test_a_format_that_overrides_a_name_is_warned_of(tmp_path, caplog):
     assert "b.data" not in caplog.text
 
 
+@pytest.mark.slow
 def test_data_format_applies_to_the_users_files_not_the_shipped_validation_set(tmp_path,
                                                                                tiny_model):
     """Parquet shards whose names don't say so, read with --data-format parquet as advised:
@@ -523,6 +524,7 @@ def test_hf_dataset_required_fields_name_the_row():
 
 # -- train_llm.py --dataset ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_path):
     """--dataset DIR:SPLIT of a DatasetDict saved with save_to_disk: a run killed after its
     first checkpoint and restarted ends with the very weights of one that was not."""

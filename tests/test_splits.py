@@ -306,6 +306,7 @@ def test_trainer_on_one_file_sees_each_document_once_per_epoch(tmp_path, world):
     assert sum(two_epochs.values()) >= 800 - 12 * world  # all but the tail of the last batch
 
 
+@pytest.mark.slow
 def test_trainer_stops_at_a_malformed_line_of_one_file(tmp_path, tiny_model):
     path = one_file(tmp_path / "one.jsonl", 300, bad_line=138)
     result = train(train_args(tmp_path, tiny_model, dataset=path, max_steps=60,
@@ -314,6 +315,7 @@ def test_trainer_stops_at_a_malformed_line_of_one_file(tmp_path, tiny_model):
     assert f"shard {path}, line 138: bad record" in result.stderr
 
 
+@pytest.mark.slow
 def test_trainer_sft_on_an_alpaca_json_array(tmp_path, tiny_model):
     records = [{"instruction": f"Repeat {i}.", "input": "" if i % 2 else "now",
                 "output": f"{i} {i}"} for i in range(40)]

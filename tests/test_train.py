@@ -49,6 +49,7 @@ def straight(tmp_path_factory, tiny_model):
     return save_dir / "run"
 
 
+@pytest.mark.slow
 def test_trains_and_writes_the_documented_layout(straight, tiny_model):
     state = json.loads((straight / "state.json").read_text())
     assert state["global_step"] == MAX_STEPS
@@ -103,6 +104,7 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
     assert (straight / "metrics.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt_freq", [7, 1])
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(
         straight, tiny_model, tmp_path, ckpt_freq):
@@ -127,6 +129,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(
     assert_same_run(exp_dir, straight)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
     args = train_args(tmp_path, tiny_model, max_steps=100_000, ckpt_freq=100_000)
     exp_dir = tmp_path / "run"
@@ -145,6 +148,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tiny_model, tmp_path):
     assert [row["step"] for row in metrics(exp_dir)] == list(range(1, stopped_at + 6))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, value", [("seq_length", 64), ("seed", 1), ("grad_clip", 0.5),
                                          ("dataset", "data/sample/code/train-*.jsonl")])
 def test_resuming_with_a_changed_argument_is_refused(straight, tiny_model, flag, value):
@@ -155,6 +159,7 @@ def test_resuming_with_a_changed_argument_is_refused(straight, tiny_model, flag,
     assert digest(straight / "state.json") == before
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
     # An absurd learning rate: step 1 computes a finite loss, then its update blows the
     # weights up to ~1e30, so step 2's forward overflows.
@@ -197,6 +202,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_the_same_directory_is_refused(tiny_model, tmp_path):
     """While one process trains in a run directory (here: holds its lock), another is refused
     before it touches anything."""
@@ -212,6 +218,7 @@ def test_a_second_run_in_the_same_directory_is_refused(tiny_model, tmp_path):
     assert sorted(p.name for p in exp_dir.iterdir()) == [".lock"]
 
 
+@pytest.mark.slow
 def test_grad_accum_resumes_exactly_and_the_global_batch_may_be_regrouped(
         tiny_model, tmp_path):
     """--batch-size 2 --grad-accum 2, killed after step 13, resumes to the bits of a straight
@@ -239,6 +246,7 @@ def test_grad_accum_resumes_exactly_and_the_global_batch_may_be_regrouped(
     assert digest(tmp_path / "regrouped" / final) == digest(tmp_path / "straight" / final)
 
 
+@pytest.mark.slow
 def test_init_from_pretrained_starts_from_the_saved_weights(tiny_model, tmp_path):
     """--init-from-pretrained loads the weights of --model-name: the loss of step 1 (computed
     before any update) is those weights' loss on the first batch. A fresh init's is not."""

@@ -69,6 +69,7 @@ def test_an_ema_of_the_weights_resumes_exactly_after_a_kill(project, tiny_model,
     assert out.returncode == 0 and out.stdout.startswith("The"), out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_the_state_is_refused_by_name(project, tiny_model, tmp_path):
     """A run saved by the plain script, resumed by the one that adds an EMA: not damage, and
     not a fresh EMA in the middle of a run: refused, naming the state."""
