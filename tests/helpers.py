@@ -35,7 +35,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 # -- Property tests: the fast tier draws fewer examples -------------------------------------------
 
-FAST_TIER_EXAMPLES = 15
+FAST_TIER_EXAMPLES = 10
 settings.register_profile("fast", max_examples=FAST_TIER_EXAMPLES)
 
 

@@ -193,6 +193,7 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, capsys,
                                                         monkeypatch):
     """`export_hf.py RUN --out DIR` where DIR is not an export of the kit (the directory of
