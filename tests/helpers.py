@@ -389,5 +389,5 @@ def assert_same_weights(a, b):
 
 
 def final_model(exp_dir):
-    return torch.load(exp_dir / f"checkpoints/step-{CORPUS_STEPS:06d}/model.pt",
-                      weights_only=True)
+    path = exp_dir / f"checkpoints/step-{CORPUS_STEPS:06d}/model.pt"
+    return torch.load(path, weights_only=True)
