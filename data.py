@@ -54,6 +54,10 @@ import smart_open
 import torch
 
 log = logging.getLogger("data")
+# Tokenize runs the tokenizer in threads of its own, so the backend's thread pool (rayon) stays
+# off: set here, before any tokenizer is loaded or called, the pool never starts to fight ours
+# over the cores (docs/benchmarks.md: the pipeline reaches the backend's own limit).
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1132,7 +1136,8 @@ class Tokenize(Stage):
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
     the GIL: that is what lets threads use several cores. The backend's own thread pool is
-    switched off (TOKENIZERS_PARALLELISM=false) so that it and ours do not fight over cores.
+    switched off (TOKENIZERS_PARALLELISM=false, set when this module is imported) so that it
+    and ours do not fight over cores.
     """
 
     # Not in the config: where a batch ends does not change the stream (the skip of a state
@@ -1153,8 +1158,6 @@ class Tokenize(Stage):
         if self.backend is None and hasattr(tokenizer, "encode_batch_fast"):
             self.backend = tokenizer  # a bare tokenizers.Tokenizer
         self.tokenizer = tokenizer
-        if self.backend is not None:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
         name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
         vocab = (self.backend.get_vocab_size(with_added_tokens=True) if self.backend
                  else len(tokenizer))

@@ -17,6 +17,8 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
+# Waiting CPU threads sleep, not spin: no collapse beside a busy process (docs/benchmarks.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (read as torch loads: before its import)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -208,6 +210,8 @@ def init_distributed(args, rank, world_size):
         device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # glibc: the memory a step frees is kept for the next (utils.keep_freed_memory)
+        utils.keep_freed_memory()
     distributed = world_size > 1 or args.fsdp
     if distributed:
         utils.join_process_group("nccl" if device.type == "cuda" else "gloo", rank, world_size,
@@ -341,8 +345,7 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
         # One instruction-answer pair per sample, its prompt masked out of the labels, whole
         # samples packed into sequences (never split; position ids restart at each).
         pipe = data.FormatInstructions(pipe, tokenizer)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        pipe = data.Pack(pipe, args.seq_length, pad_id=pad_id)
+        pipe = data.Pack(pipe, args.seq_length, pad_id=tokenizer.pad_token_id or 0)
     else:
         pipe = data.Tokenize(pipe, tokenizer, num_threads=args.tokenizer_threads,
                              max_chars=args.max_doc_chars or None)
@@ -607,8 +610,7 @@ def get_parser():
     add("--max-steps", type=at_least(1), default=600, help="steps (may be raised on resume)")
     add("--device", default=None, type=utils.torch_device,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    add("--deterministic", action="store_true",
-        help="deterministic GPU kernels: bit-identical runs at about half the speed")
+    add("--deterministic", action="store_true", help="bit-identical GPU runs at half the speed")
     add("--compile", action="store_true", help="torch.compile the model")
     add("--activation-checkpointing", action="store_true",
         help="recompute each block's activations in backward: less memory, ~1/3 more compute")
@@ -628,8 +630,7 @@ def get_parser():
     add("--shuffle-buffer", type=at_least(1), default=1000, help="sequences shuffled (1: off)")
     add("--active-shards", type=at_least(1), default=8,
         help="slots: input splits read at a time, round-robin; a multiple of the world size")
-    add("--epochs", type=at_least(1), default=None,
-        help="stop after this many passes over --dataset (default: endless)")
+    add("--epochs", type=at_least(1), help="passes over --dataset, then stop (default: endless)")
     add("--data-format", choices=["jsonl", "parquet", "text"], default=None,
         help="how to read shards whose names do not tell (default: by suffix)")
     add("--tokenizer-threads", type=at_least(1), default=2, help="threads that tokenize")
@@ -673,8 +674,7 @@ def get_parser():
         help="Weights & Biases mode; offline needs no login (upload later with `wandb sync`)")
     add("--wandb-project", default=os.environ.get("WANDB_PROJECT", "train-llm"),
         help="Weights & Biases project (default: $WANDB_PROJECT, else train-llm)")
-    add("--sample-prompt", default=None,
-        help="text to continue at each validation (default: 'The'; sft: a question)")
+    add("--sample-prompt", help="continued at each validation (default 'The'; sft: a question)")
     add("--sample-tokens", type=at_least(0), default=32, help="tokens of it (0: no sample)")
     add("--profile-steps", default=None, metavar="FIRST,LAST", type=utils.step_range,
         help="write a torch.profiler trace of these steps into SAVE_DIR/NAME/profile")
