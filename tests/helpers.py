@@ -2,17 +2,22 @@
 data of known content, pipelines cut and resumed, and the 2-rank runs on a corpus of
 fixed-length documents. Fixtures and pytest hooks are in conftest.py."""
 
+import functools
 import gzip
 import hashlib
 import json
 import os
+import queue
 import random
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -64,14 +69,89 @@ def train_args(save_dir, model, name="run", **overrides):
 
 
 def train(args, timeout=120):
-    return subprocess.run([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    """``python train_llm.py ARGS`` from the kit's directory, to the end: its exit code and
+    output, as subprocess.run gives them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        run = zygote().start(["train_llm.py", *map(str, args)], out, err)
+        try:
+            run.wait(timeout)
+        finally:
+            run.kill()
+        return subprocess.CompletedProcess(run.args, run.returncode, out.read_text(),
+                                           err.read_text())
 
 
 def start(args, log_path):
-    with open(log_path, "ab") as log:
-        return subprocess.Popen([sys.executable, "train_llm.py", *args], cwd=ROOT, env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT)
+    """``python train_llm.py ARGS`` started, its stdout and stderr appended to ``log_path``:
+    a handle with Popen's pid, poll, wait, send_signal and kill."""
+    return zygote().start(["train_llm.py", *map(str, args)], log_path, log_path)
+
+
+class Forked:
+    """A train_llm.py run forked by tests/zygote.py: what the tests use of a Popen."""
+
+    def __init__(self, server, pid, args):
+        self.server, self.pid, self.args, self.returncode = server, pid, args, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.server.exits.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        with self.server.changed:
+            if not self.server.changed.wait_for(lambda: self.poll() is not None, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:  # not yet reaped by the server, so not reused
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+
+class Zygote:
+    """The client of tests/zygote.py: one server per test process, started on first use."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/zygote.py")], cwd=ROOT,
+                                     env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self.exits, self.started = {}, queue.Queue()
+        self.changed, self.lock = threading.Condition(), threading.Lock()
+        threading.Thread(target=self._read, daemon=True, name="zygote").start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            what, pid, *code = line.split()
+            if what == "started":
+                with self.changed:  # a pid reused: the exit recorded is an older run's
+                    self.exits.pop(int(pid), None)
+                self.started.put(int(pid))
+            else:
+                with self.changed:
+                    self.exits[int(pid)] = int(code[0])
+                    self.changed.notify_all()
+        self.started.put(None)  # the server died: say so to a start waiting for its pid
+
+    def start(self, argv, stdout, stderr):
+        with self.lock:  # one request and its answer at a time
+            self.proc.stdin.write(json.dumps({"argv": argv, "env": ENV, "stdout": str(stdout),
+                                              "stderr": str(stderr)}) + "\n")
+            pid = self.started.get(timeout=60)
+        assert pid is not None, "tests/zygote.py died"
+        return Forked(self, pid, argv)
+
+
+@functools.cache
+def zygote():
+    return Zygote()
 
 
 def script(name, argv, capsys, monkeypatch):

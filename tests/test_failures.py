@@ -200,3 +200,24 @@ def test_a_signal_stops_a_run_that_is_still_starting(tmp_path, tiny_model):
     log = (tmp_path / "log.txt").read_text()
     assert "SIGTERM before the first step: stopped" in log and "Traceback" not in log, log
     connection.close()
+
+
+def test_a_signal_while_a_failed_rank_exits_ends_it_without_a_traceback():
+    """torchrun sends SIGTERM to the ranks left when one fails; one that is already leaving
+    (here: in an exit handler, after its own paragraph) ends there, with no traceback of the
+    handler that stops a start."""
+    code = f"""if True:
+        import atexit, os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import utils
+
+        def main():
+            signal.signal(signal.SIGTERM, utils.stop_at_once)  # as while a run starts
+            atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+            sys.exit("stopped: another rank failed")
+
+        utils.cli(main)"""
+    result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "another rank failed" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

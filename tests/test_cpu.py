@@ -1,0 +1,58 @@
+"""Training on a CPU: the tokenizer backend's thread pool never starts beside the kit's own
+tokenizing threads, and memory a step frees is reused by the next without faulting it in
+again. (What these buy in speed: scripts/bench_cpu.py and scripts/bench_data.py.)"""
+
+import subprocess
+import sys
+
+from helpers import ENV, ROOT
+
+
+def run_python(code, env=ENV):
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_a_tokenizer_called_before_the_pipeline_starts_no_thread_pool():
+    """The backend's rayon pool starts at its first batched call unless TOKENIZERS_PARALLELISM
+    says no; the kit's import says so first, whatever the environment held."""
+    code = """if True:
+        import os
+        import data
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained("assets/tokenizer")
+        before = len(os.listdir("/proc/self/task"))
+        tok.backend_tokenizer.encode_batch(["some text to tokenize"] * 4096)
+        print(before, len(os.listdir("/proc/self/task")))"""
+    before, after = run_python(code, {**ENV, "TOKENIZERS_PARALLELISM": "true"})
+    assert after == before
+    # The test can fail: without the kit's import, the same call starts the pool.
+    before, after = run_python(code.replace("import data", "pass"),
+                               {**ENV, "TOKENIZERS_PARALLELISM": "true"})
+    assert int(after) > int(before)
+
+
+def test_memory_a_cpu_step_frees_is_reused_without_faulting_it_in_again():
+    """A 64 MiB tensor (bigger than glibc's mmap threshold) allocated and freed at each step:
+    after utils.keep_freed_memory, the steps after the first few cost almost no page faults
+    (the heap settles); without it, each costs one per 4 KiB page."""
+    code = """if True:
+        import resource
+        import torch, utils
+        if KEEP:
+            utils.keep_freed_memory()
+        def faults():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for i in range(10):
+            if i == 5:
+                start = faults()
+            step = torch.ones(16 << 20)  # 64 MiB, touched
+            del step
+        print(faults() - start)  # over the last 5 steps"""
+    pages = (64 << 20) // 4096
+    (kept,) = run_python(code.replace("KEEP", "True"))
+    (plain,) = run_python(code.replace("KEEP", "False"))
+    assert int(plain) > 4 * pages  # what the test would catch
+    assert int(kept) < pages // 2
