@@ -11,14 +11,15 @@ One thread: a child forked here inherits no lock that another thread held.
 """
 
 import atexit
+import builtins
 import gc
 import json
 import os
-import runpy
 import select
 import signal
 import sys
 import threading
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +44,14 @@ def run(request):
     sys.argv = list(request["argv"])  # as typed: ["train_llm.py", ...], run from the kit
     script = Path(sys.argv[0]).resolve()
     sys.path[0] = str(script.parent)
+    # As `python train_llm.py` runs it: a module __main__ whose __file__ is the absolute path
+    # (runpy.run_path would also put that path into sys.argv[0]).
+    module = types.ModuleType("__main__")
+    module.__file__, module.__builtins__ = str(script), builtins
+    sys.modules["__main__"] = module
     code = 0
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        exec(compile(script.read_bytes(), str(script), "exec"), module.__dict__)
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:
             code = (e.code or 0) & 0xFF
