@@ -13,7 +13,8 @@ P2  resuming data.Files at 10/50/90% of a big JSONL shard: bytes read ÷ shard s
 
 Data is generated into a temporary directory (the shipped sample corpus, repeated) and deleted
 afterwards. Timings are wall-clock on a possibly shared machine: each throughput is measured in
-several rounds (order alternating) and the best counts; "others' cores" is the CPU that other
+several rounds (order alternating); the table shows the best, the goals the median over rounds
+of each round's ratio; "others' cores" is the CPU that other
 processes used meanwhile, so a disturbed number can be recognised.
 """
 
@@ -245,10 +246,14 @@ def report(tp, rs):
     print("\nRaw tokens are ids only; the pipeline's are those in its batches: one EOS added per "
           "document, the last partial chunk dropped.")
     size, files = rs["shard_bytes"], rs["data.Files"]
-    goals = [("P1: pipeline (2 threads) ÷ best raw", best["pipeline, num_threads=2"]["tok_s"]
-              / best[raw_name]["tok_s"], "≥", 0.97),
-             ("P7: pipeline 2 threads ÷ 1 thread", best["pipeline, num_threads=2"]["tok_s"]
-              / best["pipeline, num_threads=1"]["tok_s"], "≥", 1.7),
+    def per_round(a, b):  # the machine's speed drifts between rounds: ratios within one
+        return statistics.median(x["tok_s"] / y["tok_s"]
+                                 for x, y in zip(runs[a]["all"], runs[b]["all"]))
+
+    goals = [("P1: pipeline (2 threads) ÷ best raw, median of the rounds",
+              per_round("pipeline, num_threads=2", raw_name), "≥", 0.97),
+             ("P7: pipeline 2 threads ÷ 1 thread, median of the rounds",
+              per_round("pipeline, num_threads=2", "pipeline, num_threads=1"), "≥", 1.7),
              ("P2: Files resume, bytes read ÷ shard (worst of 10/50/90%)",
               max(r["bytes"] for r in files) / size, "≤", 0.01),
              ("P2: Files resume, 1st-record time ÷ fresh (worst of 10/50/90%)",
