@@ -848,10 +848,11 @@ class GarbageCollection:
 
 def keep_freed_memory():
     """glibc's malloc serves each block of 32 MiB or more (a batch's logits, their gradient)
-    from a fresh mmap and unmaps it when it is freed, so every CPU step faulted the same memory
-    in again, a zeroed page at a time: a quarter of the demo's CPU time went to the kernel.
-    Serve every block from the heap and keep what is freed there for the next step. The peak
-    memory stays the same; it is only not handed back between steps. (No-op without glibc.)"""
+    from a fresh mmap and unmaps it when it is freed, so each CPU step would fault the same
+    memory in again, a zeroed page at a time (a quarter of the demo's CPU time, in the kernel).
+    Serve every block from the heap and keep what is freed there for the next step. The cost:
+    a peak RSS 7-18% higher, from blocks that no longer fit where a freed one was
+    (docs/benchmarks.md). No-op without glibc."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None
     if mallopt:
         mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap

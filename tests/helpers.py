@@ -2,9 +2,11 @@
 data of known content, pipelines cut and resumed, and the 2-rank runs on a corpus of
 fixed-length documents. Fixtures and pytest hooks are in conftest.py."""
 
+import contextlib
 import functools
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -95,19 +97,21 @@ class Forked:
         self.server, self.pid, self.args, self.returncode = server, pid, args, None
 
     def poll(self):
-        if self.returncode is None:
-            self.returncode = self.server.exits.get(self.pid)
+        if self.returncode is None and self.server.dead:
+            raise RuntimeError("tests/zygote.py died: this run's end is unknown")
         return self.returncode
 
     def wait(self, timeout=None):
         with self.server.changed:
-            if not self.server.changed.wait_for(lambda: self.poll() is not None, timeout):
+            if not self.server.changed.wait_for(
+                    lambda: self.returncode is not None or self.server.dead, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
+        return self.poll()
 
     def send_signal(self, signum):
-        if self.poll() is None:  # not yet reaped by the server, so not reused
-            os.kill(self.pid, signum)
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # ended, not yet reported
+                os.kill(self.pid, signum)
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
@@ -117,41 +121,59 @@ class Forked:
 
 
 class Zygote:
-    """The client of tests/zygote.py: one server per test process, started on first use."""
+    """The client of one tests/zygote.py server, started with the string-hash seed ``seed``."""
 
-    def __init__(self):
+    def __init__(self, seed):
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests/zygote.py")], cwd=ROOT,
-                                     env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-        self.exits, self.started = {}, queue.Queue()
+                                     env={**ENV, "PYTHONHASHSEED": str(seed)},
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     bufsize=1)
+        self.runs, self.started, self.dead = {}, queue.Queue(), False
         self.changed, self.lock = threading.Condition(), threading.Lock()
         threading.Thread(target=self._read, daemon=True, name="zygote").start()
 
     def _read(self):
-        for line in self.proc.stdout:
-            what, pid, *code = line.split()
-            if what == "started":
-                with self.changed:  # a pid reused: the exit recorded is an older run's
-                    self.exits.pop(int(pid), None)
-                self.started.put(int(pid))
-            else:
-                with self.changed:
-                    self.exits[int(pid)] = int(code[0])
-                    self.changed.notify_all()
-        self.started.put(None)  # the server died: say so to a start waiting for its pid
+        try:
+            for line in self.proc.stdout:
+                what, pid, *code = line.split()
+                if what == "started":  # registered here, before its exit can be read
+                    with self.changed:
+                        self.runs[int(pid)] = Forked(self, int(pid), None)
+                    self.started.put(self.runs[int(pid)])
+                else:  # the run is reaped: its pid may be reused from now on
+                    with self.changed:
+                        self.runs.pop(int(pid)).returncode = int(code[0])
+                        self.changed.notify_all()
+        finally:  # the server died (or spoke out of protocol): nobody waits for ever
+            with self.changed:
+                self.dead = True
+                self.changed.notify_all()
+            self.started.put(None)
 
     def start(self, argv, stdout, stderr):
         with self.lock:  # one request and its answer at a time
+            assert not self.dead, "tests/zygote.py died"
             self.proc.stdin.write(json.dumps({"argv": argv, "env": ENV, "stdout": str(stdout),
                                               "stderr": str(stderr)}) + "\n")
-            pid = self.started.get(timeout=60)
-        assert pid is not None, "tests/zygote.py died"
-        return Forked(self, pid, argv)
+            run = self.started.get(timeout=60)
+        assert run is not None, "tests/zygote.py died"
+        run.args = argv
+        return run
+
+
+SERVERS = itertools.count()
 
 
 @functools.cache
+def server(seed):
+    return Zygote(seed)
+
+
 def zygote():
-    return Zygote()
+    """Two servers, with other string-hash seeds, taken in turn: a straight run and its
+    resumed copy do not share one (as two `python` processes would not), so an order that
+    follows a set's hashing still shows up as a difference."""
+    return server(next(SERVERS) % 2 + 1)
 
 
 def script(name, argv, capsys, monkeypatch):

@@ -4,7 +4,9 @@ again. (What these buy in speed: scripts/bench_cpu.py and scripts/bench_data.py.
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from helpers import ENV, ROOT
 
 
@@ -15,6 +17,7 @@ def run_python(code, env=ENV):
     return result.stdout.split()
 
 
+@pytest.mark.slow
 def test_a_tokenizer_called_before_the_pipeline_starts_no_thread_pool():
     """The backend's rayon pool starts at its first batched call unless TOKENIZERS_PARALLELISM
     says no; the kit's import says so first, whatever the environment held."""
@@ -34,6 +37,13 @@ def test_a_tokenizer_called_before_the_pipeline_starts_no_thread_pool():
     assert int(after) > int(before)
 
 
+def huge_pages_always():
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.exists() and "[always]" in path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(huge_pages_always(), reason="faults counted in 2 MiB pages, not 4 KiB")
 def test_memory_a_cpu_step_frees_is_reused_without_faulting_it_in_again():
     """A 64 MiB tensor (bigger than glibc's mmap threshold) allocated and freed at each step:
     after utils.keep_freed_memory, the steps after the first few cost almost no page faults

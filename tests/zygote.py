@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train_llm.py sets it before torch loads
 import transformers.models.gpt2.modeling_gpt2  # noqa: E402, F401  (the tests' model)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
 
@@ -43,7 +44,7 @@ def run(request):
     os.environ.update(request["env"])
     sys.argv = list(request["argv"])  # as typed: ["train_llm.py", ...], run from the kit
     script = Path(sys.argv[0]).resolve()
-    sys.path[0] = str(script.parent)
+    sys.path[:2] = [str(script.parent)]  # the script's directory, not also tests/
     # As `python train_llm.py` runs it: a module __main__ whose __file__ is the absolute path
     # (runpy.run_path would also put that path into sys.argv[0]).
     module = types.ModuleType("__main__")
