@@ -56,7 +56,7 @@ import torch
 log = logging.getLogger("data")
 # Tokenize runs the tokenizer in threads of its own, so the backend's thread pool (rayon) stays
 # off: set here, before any tokenizer is loaded or called, the pool never starts to fight ours
-# over the cores (docs/benchmarks.md: the pipeline reaches the backend's own limit).
+# over the cores (docs/benchmarks.md, "Data pipeline").
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
