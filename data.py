@@ -31,6 +31,7 @@ The file reads top to bottom in the order a sample meets the stages:
 """
 
 import array
+import codecs
 import collections
 import copy
 import glob
@@ -532,7 +533,7 @@ class Files(Stage):
         while (item := self._fetch(i)) is not None:
             data, where = item
             slot.update(where)
-            if kind in ("jsonl", "text") and not data.strip():
+            if kind in ("jsonl", "text") and data.isspace():
                 continue  # a blank line is not a record
             try:
                 record = _parse(data, kind, self.shards.required_fields, self.check)
@@ -690,16 +691,27 @@ def _check_formats(urls, format):
 def _parse(data, kind, required_fields, check):
     """A record from what a reader gave (a line of JSON Lines or text, a Parquet row, a JSON
     array's element), checked; a bad one raises ValueError."""
-    record = (json.loads(data) if kind == "jsonl" else {"text": data.decode().rstrip("\r\n")}
+    record = (_json_line(data) if kind == "jsonl" else {"text": data.decode().rstrip("\r\n")}
               if kind == "text" else data)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    if missing := _missing(record, required_fields):
+    if required_fields and (missing := _missing(record, required_fields)):
         raise ValueError(f"missing or null field(s) {missing}; it has "
                          f"{sorted(k for k in record if record[k] is not None)}")
     if check is not None:
         check(record)
     return record
+
+
+_JSON = json.JSONDecoder()
+
+
+def _json_line(line):
+    """json.loads(line), without its detection of the encoding at every call: a tenth of the
+    pipeline's Python time on short documents. A line with a BOM (or UTF-16/32) takes loads."""
+    if line.startswith(codecs.BOM_UTF8) or b"\0" in line[:4]:
+        return json.loads(line)
+    return _JSON.decode(line.decode("utf-8", "surrogatepass"))
 
 
 def _missing(record, fields):
@@ -1211,9 +1223,9 @@ class Tokenize(Stage):
         be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
         EnsureBosEos that only the first piece begins a document and the last ends it."""
         text = sample[self.column]
-        points = self._cut_points(text)
-        if len(points) == 2:
+        if self.max_chars is None or len(text) <= self.max_chars:
             return [sample]
+        points = self._cut_points(text)
         count = next(self._cuts)
         if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
             log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
@@ -1390,7 +1402,7 @@ class ConcatChunk(Stage):
             ids = next(self.src)["input_ids"]
             del self.buf[:self.pos]  # compact only when pulling, so long documents are cut
             self.pos = 0             # by moving pos, without copying the rest each time
-            self.buf.extend(ids)
+            self.buf += array.array("q", ids)  # twice as fast as extend(list), which iterates
         chunk = self.buf[self.pos:self.pos + self.length]
         self.pos += self.length
         return {"input_ids": as_tensor(chunk)}

@@ -1,11 +1,12 @@
 """Benchmark data.py against its goals: tokenizing throughput (P1, P7) and resume cost (P2).
 
-    python scripts/bench_data.py [--quick] [--json out.json]   # full run: ~3 min on 2 cores
+    python scripts/bench_data.py [--quick] [--join N] [--json out.json]   # ~6 min on 2 cores
 
 P1  tokens/s of Files -> Tokenize(2 threads) -> EnsureBosEos -> ConcatChunk(1024) -> Shuffle(1000)
     -> Batch(8), as the kit runs it, ÷ the best raw tokenizer call on all cores over the same
-    texts (goal >= 0.97). Each measurement is a fresh process, so none inherits the thread
-    pool another started.
+    texts (goal >= 0.97). Each variant runs in a process of its own, so none inherits the
+    thread pool another started. The sample corpus's documents are short (about 140 tokens);
+    --join 8 makes documents of web-page length, to tell per-document from per-token costs.
 P7  that pipeline with num_threads=2 ÷ num_threads=1 (goal >= 1.7 on 2 cores).
 P2  resuming data.Files at 10/50/90% of a big JSONL shard: bytes read ÷ shard size (<= 0.01),
     time to the first record ÷ a fresh start's (<= 1.5); datasets' streaming json loader and
@@ -13,9 +14,9 @@ P2  resuming data.Files at 10/50/90% of a big JSONL shard: bytes read ÷ shard s
 
 Data is generated into a temporary directory (the shipped sample corpus, repeated) and deleted
 afterwards. Timings are wall-clock on a possibly shared machine: each throughput is measured in
-several rounds (order alternating); the table shows the best, the goals the median over rounds
-of each round's ratio; "others' cores" is the CPU that other
-processes used meanwhile, so a disturbed number can be recognised.
+several rounds (order alternating, the variants compared side by side); the table shows the
+best, the goals the median over rounds of each round's ratio; "others' cores" is the CPU that
+other processes used meanwhile, so a disturbed number can be recognised.
 """
 
 import argparse
@@ -103,13 +104,14 @@ def raw_variants(tok, texts):
         return sum(len(backend.encode(t).ids) for t in texts)
 
     # Big batches give the backend's rayon pool enough documents to split across cores.
-    return dict(zip(RAW, (batched(backend.encode_batch, 1024),
-                          batched(backend.encode_batch_fast, 1024), per_doc, call(256))))
+    return dict(zip(RAW, (batched(backend.encode_batch, 1024), per_doc, call(256),
+                          batched(backend.encode_batch_fast, 1024))))
 
 
-RAW = ("raw: backend encode_batch, 1024 docs/call",
-       "raw: backend encode_batch_fast, 1024 docs/call", "raw: backend encode, per document",
-       "raw: transformers __call__, 256 docs/call")
+# The best raw call last, so that each round measures it right beside the pipeline.
+RAW = ("raw: backend encode_batch, 1024 docs/call", "raw: backend encode, per document",
+       "raw: transformers __call__, 256 docs/call",
+       "raw: backend encode_batch_fast, 1024 docs/call")
 
 
 def pipeline(path, tok, threads):
@@ -127,9 +129,9 @@ PIPELINES = {"pipeline, num_threads=2": 2, "pipeline, num_threads=1": 1}
 
 
 def worker(name, path):
-    """One measurement in this fresh process, as the kit runs: data imported, then the
-    tokenizer loaded. The raw calls alone turn the backend's pool on, so no run inherits the
-    threads of another."""
+    """Serves measurements in this process, one per line read from stdin, as the kit runs:
+    data imported, then the tokenizer loaded. Each variant has a process of its own: the raw
+    calls turn the backend's pool on, so no run inherits the threads of another."""
     if name in PIPELINES:
         fn = pipeline(path, load_tokenizer(), PIPELINES[name])
     else:
@@ -137,24 +139,44 @@ def worker(name, path):
         with open(path, encoding="ascii") as f:  # the very texts the pipeline reads
             texts = [json.loads(line)["text"] for line in f]
         fn = raw_variants(load_tokenizer(), texts)[name]
-    print(json.dumps(measure(fn)))
+    for _ in sys.stdin:
+        print(json.dumps(measure(fn)), flush=True)
 
 
 def throughput(args, tmp):
+    """Each variant in a process of its own, kept for all rounds; a round asks each in turn,
+    one at a time, so the ratios of one round compare runs seconds apart (this machine's
+    speed drifts by a fifth over minutes). The first answer of each is a warm-up."""
     path = os.path.join(tmp, "text.jsonl")
-    write_jsonl(path, sample_texts(), args.text_mb * 1e6)
+    texts = sample_texts()  # --join n: documents of n of them, as long as web pages
+    texts = ["\n\n".join(texts[i:i + args.join]) for i in range(0, len(texts), args.join)]
+    write_jsonl(path, texts, args.text_mb * 1e6)
     with open(path, encoding="ascii") as f:
         docs = sum(1 for _ in f)
     names = [*RAW, *PIPELINES]
+    workers = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, path],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for name in names}
+
+    def ask(name):
+        workers[name].stdin.write("\n")
+        workers[name].stdin.flush()
+        return json.loads(workers[name].stdout.readline())
+
     results = {name: [] for name in names}
-    for r in range(args.rounds):  # alternate the order so a drifting load hits all alike
-        for name in names if r % 2 == 0 else names[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--worker", name, path],
-                                 capture_output=True, text=True, check=True).stdout
-            m = json.loads(out.splitlines()[-1])
-            results[name].append(m)
-            print(f"  round {r + 1}: {name}: {m['tok_s'] / 1e6:.2f} M tok/s, {m['cores']:.2f} "
-                  f"cores, others {m['others']:.2f}", file=sys.stderr)
+    try:
+        for name in names:
+            ask(name)
+        for r in range(args.rounds):  # alternate the order so a drifting load hits all alike
+            for name in names if r % 2 == 0 else names[::-1]:
+                m = ask(name)
+                results[name].append(m)
+                print(f"  round {r + 1}: {name}: {m['tok_s'] / 1e6:.2f} M tok/s, "
+                      f"{m['cores']:.2f} cores, others {m['others']:.2f}", file=sys.stderr)
+    finally:
+        for proc in workers.values():
+            proc.stdin.close()
+            proc.wait()
     return {"docs": docs, "text_bytes": os.path.getsize(path),
             "runs": {name: {"best": max(rs, key=lambda m: m["tok_s"]), "all": rs}
                      for name, rs in results.items()}}
@@ -279,9 +301,11 @@ def report(tp, rs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--text-mb", type=float, default=30, help="text for P1/P7 (MB)")
+    parser.add_argument("--text-mb", type=float, default=10, help="text for P1/P7 (MB)")
+    parser.add_argument("--join", type=int, default=1,
+                        help="P1/P7 documents of this many sample documents each")
     parser.add_argument("--shard-mb", type=float, default=500, help="the P2 shard (MB)")
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds; best counts")
+    parser.add_argument("--rounds", type=int, default=7, help="throughput rounds")
     parser.add_argument("--repeats", type=int, default=21, help="data.Files resume repeats")
     parser.add_argument("--hf-repeats", type=int, default=3, help="datasets resume repeats")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
