@@ -707,8 +707,8 @@ _JSON = json.JSONDecoder()
 
 
 def _json_line(line):
-    """json.loads(line), without its detection of the encoding at every call: a tenth of the
-    pipeline's Python time on short documents. A line with a BOM (or UTF-16/32) takes loads."""
+    """json.loads(line), without its detection of the encoding at every call (3 µs of about 9
+    per short line, with the GIL held). A line with a BOM (or UTF-16/32) still takes loads."""
     if line.startswith(codecs.BOM_UTF8) or b"\0" in line[:4]:
         return json.loads(line)
     return _JSON.decode(line.decode("utf-8", "surrogatepass"))
