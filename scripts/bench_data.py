@@ -3,10 +3,13 @@
     python scripts/bench_data.py [--quick] [--join N] [--json out.json]   # ~6 min on 2 cores
 
 P1  tokens/s of Files -> Tokenize(2 threads) -> EnsureBosEos -> ConcatChunk(1024) -> Shuffle(1000)
-    -> Batch(8), as the kit runs it, ÷ the best raw tokenizer call on all cores over the same
-    texts (goal >= 0.97). Each variant runs in a process of its own, so none inherits the
-    thread pool another started. The sample corpus's documents are short (about 140 tokens);
-    --join 8 makes documents of web-page length, to tell per-document from per-token costs.
+    -> Batch(8), as the kit runs it, ÷ the backend's encode_batch_fast with its own thread
+    pool on all cores, over the same texts (goal >= 0.97). Beside it, the same call on 2
+    threads of ours with the pool off, as Tokenize uses the cores: the pipeline ÷ that is what
+    the pipeline adds to tokenizing. Each variant runs in a process of its own, so none
+    inherits the thread pool another started. The sample corpus's documents are short (about
+    140 tokens); --join 8 makes documents of web-page length, to tell per-document from
+    per-token costs.
 P7  that pipeline with num_threads=2 ÷ num_threads=1 (goal >= 1.7 on 2 cores).
 P2  resuming data.Files at 10/50/90% of a big JSONL shard: bytes read ÷ shard size (<= 0.01),
     time to the first record ÷ a fresh start's (<= 1.5); datasets' streaming json loader and
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,8 +92,9 @@ def measure(fn):
 
 
 def raw_variants(tok, texts):
-    """Raw tokenizer calls over texts already in memory, counting sum(len(ids)), with the
-    backend's thread pool on (TOKENIZERS_PARALLELISM=true): the limit to reach."""
+    """Raw tokenizer calls over texts already in memory, counting sum(len(ids)): with the
+    backend's thread pool on (TOKENIZERS_PARALLELISM=true), the limit to reach; and the kit's
+    way of using the cores, the fast call on 2 Python threads of our own with the pool off."""
     backend = tok.backend_tokenizer
 
     def batched(encode, size):
@@ -103,15 +108,22 @@ def raw_variants(tok, texts):
     def per_doc():
         return sum(len(backend.encode(t).ids) for t in texts)
 
+    def threads():
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        with ThreadPoolExecutor(2) as pool:
+            return sum(pool.map(lambda i: sum(len(e.ids) for e in backend.encode_batch_fast(
+                texts[i:i + 64])), range(0, len(texts), 64)))
+
     # Big batches give the backend's rayon pool enough documents to split across cores.
-    return dict(zip(RAW, (batched(backend.encode_batch, 1024), per_doc, call(256),
+    return dict(zip(RAW, (batched(backend.encode_batch, 1024), per_doc, call(256), threads,
                           batched(backend.encode_batch_fast, 1024))))
 
 
-# The best raw call last, so that each round measures it right beside the pipeline.
+# P1's limit last, so that each round measures it right beside the pipeline.
+LIMIT = "raw: backend encode_batch_fast, 1024 docs/call"
 RAW = ("raw: backend encode_batch, 1024 docs/call", "raw: backend encode, per document",
        "raw: transformers __call__, 256 docs/call",
-       "raw: backend encode_batch_fast, 1024 docs/call")
+       "raw: backend encode_batch_fast, 64 docs/call on 2 threads of ours, pool off", LIMIT)
 
 
 def pipeline(path, tok, threads):
@@ -255,8 +267,6 @@ def report(tp, rs):
         return "✓" if ok else "✗"
 
     runs = tp["runs"]
-    best = {name: r["best"] for name, r in runs.items()}
-    raw_name = max((n for n in best if n.startswith("raw")), key=lambda n: best[n]["tok_s"])
     print(f"\n### Throughput: {tp['text_bytes'] / 1e6:.0f} MB of JSONL, {tp['docs']:,} docs\n")
     print("| call | tokens | M tok/s, best | M tok/s, each round | cores used | M tok/CPU-s | "
           "others' cores |\n|---|---:|---:|---|---:|---:|---:|")
@@ -272,15 +282,18 @@ def report(tp, rs):
         return statistics.median(x["tok_s"] / y["tok_s"]
                                  for x, y in zip(runs[a]["all"], runs[b]["all"]))
 
-    goals = [("P1: pipeline (2 threads) ÷ best raw, median of the rounds",
-              per_round("pipeline, num_threads=2", raw_name), "≥", 0.97),
+    goals = [("P1: pipeline (2 threads) ÷ raw encode_batch_fast with the pool, median of rounds",
+              per_round("pipeline, num_threads=2", LIMIT), "≥", 0.97),
              ("P7: pipeline 2 threads ÷ 1 thread, median of the rounds",
               per_round("pipeline, num_threads=2", "pipeline, num_threads=1"), "≥", 1.7),
              ("P2: Files resume, bytes read ÷ shard (worst of 10/50/90%)",
               max(r["bytes"] for r in files) / size, "≤", 0.01),
              ("P2: Files resume, 1st-record time ÷ fresh (worst of 10/50/90%)",
               max(r["t_resume"] / r["t_fresh"] for r in files), "≤", 1.5)]
-    print(f"\nBest raw: {raw_name}.\n\n| goal | measured | target | |\n|---|---:|---:|---|")
+    ours = per_round("pipeline, num_threads=2", RAW[3])
+    print(f"\nThe pipeline ÷ the fast call on 2 threads of ours (what the pipeline adds to "
+          f"tokenizing), median of the rounds: {ours:.3f}.\n\n"
+          "| goal | measured | target | |\n|---|---:|---:|---|")
     for name, value, op, target in goals:
         print(f"| {name} | {value:.3g} | {op} {target} | "
               f"{mark(value >= target if op == '≥' else value <= target)} |")
@@ -295,7 +308,7 @@ def report(tp, rs):
                   f"{r['bytes_fresh']:,.0f} | {frac:.1e} {mark(frac <= 0.01)} | "
                   f"{r['t_resume'] * 1e3:.2f} ms | {r['t_fresh'] * 1e3:.2f} ms | "
                   f"{ratio:.2f} {mark(ratio <= 1.5)} | {mark(r['right_record'])} |")
-    return {"best_raw": raw_name,
+    return {"pipeline_per_our_threads": ours,
             "goals": [{"goal": g, "value": v, "op": o, "target": t} for g, v, o, t in goals]}
 
 
