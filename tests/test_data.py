@@ -423,3 +423,12 @@ def test_pack():
     assert [s["input_ids"].tolist() for s in dropped] == [[1, 2, 3, 4, 5, 0],
                                                           [6, 7, 8, 9, 17, 0]]
     assert dropped.state_dict()["discarded"] == 1
+
+
+@pytest.mark.parametrize("make", [ConcatChunk, Chunk])
+def test_a_negative_token_id_is_refused_naming_the_stage(make):
+    """(Labels' -100 belong in "labels": ids index the vocabulary, and on a GPU an index
+    below 0 fails far from here, in the embedding, without a name.)"""
+    with pytest.raises(ValueError, match=rf"^{make.__name__}: input_ids hold an id below 0 .*"
+                                         r"\(from -100 to 4\)"):
+        next(make(Sequence([{"input_ids": [1, 2, -100, 3, 4]}]), 2))

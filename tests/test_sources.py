@@ -259,6 +259,23 @@ def test_http_resume_asks_for_the_offset(web, web_shards):
     assert ("/a.jsonl", f"bytes={slot['offset'] - slot['last'][0]}-") in web.requests
 
 
+def test_a_connection_dropped_after_a_resume_reopens_at_the_line_read_last(web, web_shards):
+    """The reopen checks the line read just before the drop, not the one the state named."""
+    make = lambda: Files(web_shards[0], retries=3, retry_delay=0)  # noqa: E731
+    web.faults.clear()
+    clean = [r["doc"] for r in make()]
+    files = make()
+    for _ in range(5):
+        next(files)
+    state = files.state_dict()
+    files.close()
+    web.faults[:] = [None, ("drop", 3000)]  # (opened, then read from the offset: ~9 lines)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [r["doc"] for r in resumed] == clean[5:]
+    assert not web.faults  # (the drop happened)
+
+
 def test_http_retries_then_fails_naming_the_url(web, web_shards, caplog):
     web.faults[:] = [503] * 10
     with pytest.raises(OSError, match=f"shard {web_shards[0]}: still failing after 3 retries"):
