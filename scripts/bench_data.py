@@ -158,7 +158,7 @@ def worker(name, path):
 def throughput(args, tmp):
     """Each variant in a process of its own, kept for all rounds; a round asks each in turn,
     one at a time, so the ratios of one round compare runs seconds apart (this machine's
-    speed drifts by a fifth over minutes). The first answer of each is a warm-up."""
+    speed swings by a fifth even between such runs). The first answer of each is a warm-up."""
     path = os.path.join(tmp, "text.jsonl")
     texts = sample_texts()  # --join n: documents of n of them, as long as web pages
     texts = ["\n\n".join(texts[i:i + args.join]) for i in range(0, len(texts), args.join)]
