@@ -1,11 +1,14 @@
 """Each stage on hand-written input, and bad input (DESIGN.md section 5)."""
 
 import gzip
+import itertools
 import json
 import logging
 import subprocess
 import sys
 import textwrap
+import types
+import weakref
 
 import pytest
 import torch
@@ -175,6 +178,38 @@ def test_tokenize_fast_and_slow_paths(toy):
 def test_tokenize_missing_column(toy):
     with pytest.raises(ValueError, match="no string field 'text'"):
         list(Tokenize(Sequence([{"content": "a"}]), toy))
+
+
+def test_tokenize_holds_the_id_lists_of_a_bounded_number_of_batches(toy):
+    """Its threads free the id lists they made themselves, a few batches later: however long
+    the stream, what stays alive is those, the batches in flight and the one handed out."""
+    class Ids(list):  # a list that can be counted while alive
+        pass
+
+    class Counting:  # the toy's backend, each id list it returns watched
+        alive = set()  # id() of the lists not freed yet
+
+        def encode_batch_fast(self, texts, **kwargs):
+            out = [types.SimpleNamespace(ids=Ids(e.ids))
+                   for e in toy.backend_tokenizer.encode_batch_fast(texts, **kwargs)]
+            for e in out:
+                self.alive.add(id(e.ids))
+                weakref.finalize(e.ids, self.alive.discard, id(e.ids))
+            return out
+
+        def get_vocab_size(self, with_added_tokens=True):
+            return toy.backend_tokenizer.get_vocab_size(with_added_tokens)
+
+    threads, batch = 2, 4
+    tokenize = Tokenize(Sequence([{"text": "a b"}, {"text": "c"}], repeat=True), Counting(),
+                        num_threads=threads, batch_size=batch)
+    most = 0
+    for sample in itertools.islice(tokenize, 2000):
+        assert sample["input_ids"] in ([3, 4], [5])
+        most = max(most, len(Counting.alive))
+    tokenize.close()
+    # 2 * threads in flight, 1 handed out, 2 per thread kept to be freed by it.
+    assert 0 < most <= (2 * threads + 1 + 2 * threads) * batch, most
 
 
 def test_long_documents_are_cut_into_pieces_of_one_document(toy):
