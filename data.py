@@ -1179,6 +1179,7 @@ class Tokenize(Stage):
                        "batch_size": batch_size, "add_special_tokens": add_special_tokens,
                        "max_chars": max_chars}
         self._pool, self._made = None, threading.local()  # _made: see _work
+        self._submitted = self._popped = 0    # batches submitted, and taken by __next__
         self._inflight = collections.deque()  # (upstream state before the batch, future)
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
         self._crcs = []                       # the crc32 of each sample's text in self._batch
@@ -1236,7 +1237,7 @@ class Tokenize(Stage):
         return [{**sample, self.column: text[a:b], "piece": [i, len(points) - 1]}
                 for i, (a, b) in enumerate(zip(points, points[1:]))]
 
-    def _work(self, samples):
+    def _work(self, samples, seq):
         for sample in samples:
             if not isinstance(sample.get(self.column), str):
                 raise ValueError(f"Tokenize: a sample has no string field {self.column!r} (keys: "
@@ -1253,14 +1254,13 @@ class Tokenize(Stage):
                 start, chars = i, 0
         for sample, sample_ids in zip(samples, ids):
             sample["input_ids"] = sample_ids
-        # The thread frees the id lists it made itself, once it has made two more batches (by
-        # then they have been handed out): a block freed by another thread takes the lock of
-        # the malloc arena it came from, which the tokenizer holds nearly all the time (glibc:
-        # 10k futex calls per 5 MB, a tenth less speed on 2 cores). DESIGN.md section 6.
-        kept = getattr(self._made, "lists", None)
-        if kept is None:
-            kept = self._made.lists = collections.deque(maxlen=2)
-        kept.append(ids)
+        # The thread frees the id lists it made itself, once their batch has been handed out:
+        # a block freed by another thread takes the lock of the malloc arena it came from,
+        # which the tokenizer takes all the time (glibc; DESIGN.md section 6).
+        made = self._made.__dict__.setdefault("batches", collections.deque())
+        made.append((seq, ids))
+        while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
+            made.popleft()
         return samples, [_crc(s[self.column]) for s in samples]
 
     def _submit(self):
@@ -1278,7 +1278,9 @@ class Tokenize(Stage):
         if samples:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
-            self._inflight.append((state, self._pool.submit(self._work, samples)))
+            self._inflight.append((state, self._pool.submit(self._work, samples,
+                                                            self._submitted)))
+            self._submitted += 1
 
     def __next__(self):
         while self._pos == len(self._batch):
@@ -1288,6 +1290,7 @@ class Tokenize(Stage):
                 raise StopIteration
             state, future = self._inflight.popleft()
             self._batch, self._crcs = future.result()  # raises what the worker raised
+            self._popped += 1  # (after the batch before is let go: see _work)
             # A resumed skip may pass whole batches: one saved with bigger batches than these.
             self._batch_state, self._pos = state, min(self._skip, len(self._batch))
             self._skip -= self._pos

@@ -1,6 +1,6 @@
 """Benchmark data.py against its goals: tokenizing throughput (P1, P7) and resume cost (P2).
 
-    python scripts/bench_data.py [--quick] [--join N] [--json out.json]   # ~4 min on 2 cores
+    python scripts/bench_data.py [--quick] [--join N] [--json out.json]   # ~5 min on 2 cores
 
 P1  tokens/s of Files -> Tokenize(2 threads) -> EnsureBosEos -> ConcatChunk(1024) -> Shuffle(1000)
     -> Batch(8), as the kit runs it (built once, over the shard read endlessly; each round
@@ -136,11 +136,11 @@ RAW = ("raw: backend encode_batch, 1024 docs/call", "raw: backend encode, per do
 
 def pipeline(path, tok, threads):
     """The kit's pipeline, over the shard read endlessly and built once, as a training run
-    builds it; each measurement takes the next pass's worth of batches, then waits for the
-    batches Tokenize has in flight, so that no round gets tokens tokenized before it began,
-    nor leaves work running into the next variant's round (a pipeline built for each
-    measurement would also time its threads' start, their tokenizer caches cold). Returns
-    that and the pipeline, to close."""
+    builds it (one built for each measurement would also time its threads' start, their
+    tokenizer caches cold). Each measurement takes the next pass's worth of batches, then
+    waits for the batches Tokenize has in flight: every round starts and ends with the same
+    work done ahead (Shuffle's buffer full, those batches tokenized), and leaves nothing
+    running into the next variant's round. Returns that and the pipeline, to close."""
     def build(repeat):
         tokenize = data.Tokenize(data.Files(path, repeat=repeat), tok, num_threads=threads)
         pipe = data.ConcatChunk(data.EnsureBosEos(tokenize, tok), 1024)
@@ -153,8 +153,8 @@ def pipeline(path, tok, threads):
 
     def run():
         tokens = sum(b["input_ids"].numel() for b in itertools.islice(pipe, one_pass))
-        for _, batch in list(tokenize._inflight):  # (the stage's own queue: a benchmark's peek)
-            batch.result()
+        for _, future in list(tokenize._inflight):  # (the stage's own queue: a benchmark's peek)
+            future.result()
         return tokens  # tokens actually emitted
     return run, pipe
 

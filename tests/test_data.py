@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 import weakref
 
@@ -180,13 +181,16 @@ def test_tokenize_missing_column(toy):
         list(Tokenize(Sequence([{"content": "a"}]), toy))
 
 
-def test_tokenize_holds_the_id_lists_of_a_bounded_number_of_batches(toy):
-    """Its threads free the id lists they made themselves, a few batches later: however long
-    the stream, what stays alive is those, the batches in flight and the one handed out."""
-    class Ids(list):  # a list that can be counted while alive
+def test_tokenize_threads_free_the_id_lists_they_made_and_hold_a_bounded_number(toy):
+    """Its threads free the id lists they made, once their batch has been handed out (a list
+    freed by the consumer takes the lock of the malloc arena the tokenizer allocates from);
+    however long the stream, the lists alive stay bounded."""
+    class Ids(list):  # a list that can be watched while alive
         pass
 
-    class Counting:  # the toy's backend, each id list it returns watched
+    freed_by = []  # the thread that freed each id list
+
+    class Watching:  # the toy's backend, each id list it returns watched
         alive = set()  # id() of the lists not freed yet
 
         def encode_batch_fast(self, texts, **kwargs):
@@ -194,22 +198,30 @@ def test_tokenize_holds_the_id_lists_of_a_bounded_number_of_batches(toy):
                    for e in toy.backend_tokenizer.encode_batch_fast(texts, **kwargs)]
             for e in out:
                 self.alive.add(id(e.ids))
-                weakref.finalize(e.ids, self.alive.discard, id(e.ids))
+                weakref.finalize(e.ids, self.freed, id(e.ids))
             return out
+
+        def freed(self, key):
+            self.alive.discard(key)
+            freed_by.append(threading.get_ident())
 
         def get_vocab_size(self, with_added_tokens=True):
             return toy.backend_tokenizer.get_vocab_size(with_added_tokens)
 
-    threads, batch = 2, 4
-    tokenize = Tokenize(Sequence([{"text": "a b"}, {"text": "c"}], repeat=True), Counting(),
+    threads, batch = 2, 16
+    tokenize = Tokenize(Sequence([{"text": "a b"}, {"text": "c"}], repeat=True), Watching(),
                         num_threads=threads, batch_size=batch)
     most = 0
-    for sample in itertools.islice(tokenize, 2000):
+    for sample in itertools.islice(tokenize, 4000):
         assert sample["input_ids"] in ([3, 4], [5])
-        most = max(most, len(Counting.alive))
+        most = max(most, len(Watching.alive))
     tokenize.close()
-    # 2 * threads in flight, 1 handed out, 2 per thread kept to be freed by it.
-    assert 0 < most <= (2 * threads + 1 + 2 * threads) * batch, most
+    # In flight and handed out: 2 * threads + 1 batches; as many again, at most, kept by a
+    # thread that has not run since they were handed out.
+    assert 0 < most <= 2 * (2 * threads + 1) * batch, most
+    # (The consumer frees at most the last sample's list of a batch it still held.)
+    by_consumer = freed_by.count(threading.get_ident())
+    assert len(freed_by) > 3000 and by_consumer <= len(freed_by) / 8, (by_consumer, len(freed_by))
 
 
 def test_long_documents_are_cut_into_pieces_of_one_document(toy):
