@@ -1179,7 +1179,7 @@ class Tokenize(Stage):
                        "batch_size": batch_size, "add_special_tokens": add_special_tokens,
                        "max_chars": max_chars}
         self._pool, self._made = None, threading.local()  # _made: see _work
-        self._submitted = self._popped = 0    # batches submitted, and taken by __next__
+        self._popped = 0                      # batches taken by __next__ (see _work)
         self._inflight = collections.deque()  # (upstream state before the batch, future)
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
         self._crcs = []                       # the crc32 of each sample's text in self._batch
@@ -1278,9 +1278,8 @@ class Tokenize(Stage):
         if samples:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
-            self._inflight.append((state, self._pool.submit(self._work, samples,
-                                                            self._submitted)))
-            self._submitted += 1
+            seq = self._popped + len(self._inflight)  # the batch's number, from 0
+            self._inflight.append((state, self._pool.submit(self._work, samples, seq)))
 
     def __next__(self):
         while self._pos == len(self._batch):
