@@ -72,7 +72,7 @@ def main():
     tokenizer, model = build_model(args, ctx.device)
     flops_per_token = utils.flops_per_token(model, args.seq_length)
     model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
-    optimizer = build_optimizer(model, args, ctx.device)
+    optimizer = build_optimizer(model, args)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, args) / args.lr)
     # Training state of your own, in every checkpoint and restored on resume: name -> object
     # with state_dict() and load_state_dict() (README, "Changing the kit": an EMA).
@@ -122,7 +122,7 @@ def main():
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
             stats = train_step(model, batches, ctx, timers, len(domains))
             log_step = step % args.log_freq == 0 or step == args.max_steps
-            stats |= rank_flags(stop, log_step, train_loader, ctx)
+            stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
             with timers["update"]:
                 stats["grad_norm"] = clip_gradients(model, args, ctx)
                 # One all-reduce, and one wait for the GPU, for all the step's numbers.
@@ -274,15 +274,16 @@ def parallelize(model, args, ctx):
     return model
 
 
-def build_optimizer(model, args, device):
+def build_optimizer(model, args):
     """AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
-    towards zero does not regularize anything. The fused kernel is one launch per step."""
+    towards zero does not regularize anything. The fused kernel: one launch per step on a GPU,
+    a third to a half of the for-loop's time on a CPU (docs/benchmarks.md)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": matrices, "weight_decay": args.weight_decay},
          {"params": vectors, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+        lr=args.lr, betas=(0.9, 0.95), fused=True)
 
 
 def get_lr(step, args):
@@ -456,17 +457,6 @@ def train_step(model, batches, ctx, timers, n_domains=0):
     return stats
 
 
-def rank_flags(stop, log_step, loader, ctx):
-    """What this rank adds to the step's all-reduce besides its losses: whether it got a
-    signal, and on a logging step the bad records it has skipped so far (the sum is the
-    run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
-    flags = {"stop": torch.full((), float(stop.is_set()), device=ctx.device)}
-    if log_step:
-        skipped = data.skipped_records(loader.state_dict())
-        flags["skipped"] = torch.full((), float(skipped), device=ctx.device)
-    return flags
-
-
 def clip_gradients(model, args, ctx):
     """Clip the gradients' global norm to --grad-clip. Returns the norm on rank 0 and 0 on the
     others: the step's all-reduce sums what every rank adds, and this is the same on all."""
@@ -505,10 +495,12 @@ def sequence_losses(logits, targets):
     """Next-token cross-entropy summed over each sequence, and the tokens scored: two [batch]
     tensors, what a mean over tokens, or over a domain's sequences, is made of."""
     targets = next_token_targets(targets)
-    # F.cross_entropy(..., reduction="none") without float32 copies of all the logits.
-    token_loss = utils.cross_entropy(logits.flatten(0, 1),
-                                     targets.flatten()).view(targets.shape)[:, :-1]  # last: 0
-    return token_loss.sum(dim=1), (targets != -100).sum(dim=1)
+    # F.cross_entropy keeps float32 [N, V] tensors beside the logits: for bf16 logits (a GPU's
+    # autocast) or over 2**28 of them, utils' computes the same a chunk of rows at a time.
+    chunked = logits.dtype != torch.float32 or logits.numel() > 2**28
+    loss = (utils.cross_entropy if chunked else F.cross_entropy)(
+        logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+    return loss[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)  # (the last position: 0)
 
 
 # --- Metrics and validation -------------------------------------------------------------------

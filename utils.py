@@ -525,7 +525,7 @@ class MetricsLog:
         self.file = open(exp_dir / "metrics.jsonl", "ab", buffering=0) if rank == 0 else None
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0)
-        self.wandb = None
+        self.wandb, self.unsent = None, []
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
@@ -551,22 +551,32 @@ class MetricsLog:
                 with contextlib.suppress(OSError):
                     os.truncate(self.file.name, size)
                 raise write_failure(self.file.name, e) from e
-        if self.wandb:
-            self.wandb.log(metrics, step=metrics["step"])
+        self.unsent.append(metrics)
         if "tokens_per_s" in metrics or "val_loss" in metrics:
+            self.send()
             LOGGER.info(format_metrics(metrics))
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+
+    def send(self):
+        """Every step's metrics to wandb, a log interval's at a time: each wandb.log waits for
+        wandb's own thread, which a busy CPU wakes late (a step's 3% on 2 cores). No None (MFU
+        on a CPU): wandb would import pandas to look at it, 100 MB of memory."""
+        for metrics in self.unsent if self.wandb else ():
+            self.wandb.log({k: v for k, v in metrics.items() if v is not None},
+                           step=metrics["step"])
+        self.unsent = []
 
     def rewrite_last(self, metrics):
         """The last step's line again, now with more in it (a late validation)."""
         if self.file:
             rewrite_last_line(self.file, json.dumps(metrics))
-        if self.wandb:
-            self.wandb.log(metrics, step=metrics["step"])
+        self.unsent[-1:] = [metrics]
+        self.send()
         LOGGER.info(format_metrics(metrics))
 
     def close(self):
+        self.send()
         self.progress.close()
         if self.file:
             self.file.close()
@@ -598,6 +608,17 @@ def stop_at_once(signum, frame):
     filling a shuffle buffer): there is nothing to save yet."""
     sys.exit(f"{signal.Signals(signum).name} before the first step: stopped. Rerun the same "
              "command to go on from the last checkpoint.")
+
+
+def rank_flags(stop, log_step, loader, device):
+    """What this rank adds to the step's all-reduce besides its losses: whether it got a
+    signal, and on a logging step the bad records it has skipped so far (the sum is the
+    run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
+    flags = {"stop": torch.full((), float(stop.is_set()), device=device)}
+    if log_step:
+        skipped = data.skipped_records(loader.state_dict())
+        flags["skipped"] = torch.full((), float(skipped), device=device)
+    return flags
 
 
 def data_left(batches, step, args, ctx, loader, tokenizer):
@@ -997,22 +1018,25 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     the largest of the step (GPT-2, 16 x 1024 tokens: 3.3 GB each). Here only one chunk of rows
     is float32 at a time. Forward keeps the logits in their own dtype and each row's
     log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0; other
-    targets must be valid class ids (no check here, unlike F.cross_entropy's).
+    targets must be valid class ids (no check here, unlike F.cross_entropy's). ``smoothing``
+    is F.cross_entropy's label_smoothing: the target is 1 - s on the label plus s / V on each.
     """
 
     @staticmethod
     @torch.profiler.record_function("cross_entropy")  # a range of its own in a profile
-    def forward(ctx, logits, targets, rows):
-        lse = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        picked = torch.empty_like(lse)
+    def forward(ctx, logits, targets, rows, smoothing):
+        loss = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(loss)
         for start in range(0, len(targets), rows):
-            chunk = logits[start:start + rows].float()
-            lse[start:start + rows] = chunk.logsumexp(dim=1)
-            index = targets[start:start + rows].clamp(min=0)[:, None]
-            picked[start:start + rows] = chunk.gather(1, index)[:, 0]
+            chunk, part = logits[start:start + rows].float(), slice(start, start + rows)
+            lse[part] = chunk.logsumexp(dim=1)
+            picked = chunk.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]
+            loss[part] = lse[part] - (1 - smoothing) * picked
+            if smoothing:
+                loss[part] -= smoothing * chunk.mean(dim=1)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.rows = rows
-        return (lse - picked).masked_fill_(targets == -100, 0)
+        ctx.rows, ctx.smoothing = rows, smoothing
+        return loss.masked_fill_(targets == -100, 0)
 
     @staticmethod
     @torch.profiler.record_function("cross_entropy_backward")
@@ -1023,17 +1047,25 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, len(targets), ctx.rows):
             rows = slice(start, start + ctx.rows)
             softmax = (logits[rows].float() - lse[rows, None]).exp_()
+            if ctx.smoothing:
+                softmax -= ctx.smoothing / logits.shape[1]
             index = targets[rows].clamp(min=0)[:, None]
-            softmax.scatter_add_(1, index, torch.full(index.shape, -1.0, device=index.device))
-            grad_logits[rows] = softmax.mul_(grad[rows, None])  # softmax - one_hot(target)
-        return grad_logits, None, None
+            softmax.scatter_add_(1, index, torch.full(index.shape, ctx.smoothing - 1.0,
+                                                      device=index.device))
+            grad_logits[rows] = softmax.mul_(grad[rows, None])  # softmax - the target
+        return grad_logits, None, None, None
 
 
-def cross_entropy(logits, targets, chunk_elements=1 << 25):
-    """F.cross_entropy(logits, targets, reduction="none") for [N, V] logits and [N] targets
-    (-100: not scored), with float32 copies of at most ``chunk_elements`` logits at a time
+def cross_entropy(logits, targets, reduction="mean", label_smoothing=0.0,
+                  chunk_elements=1 << 25):
+    """F.cross_entropy(logits, targets, ...) of [N, V] logits and [N] targets (-100: not
+    scored), with float32 copies of at most ``chunk_elements`` logits at a time
     (ChunkedCrossEntropy; 128 MB)."""
-    return ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]))
+    loss = ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]),
+                                     label_smoothing)
+    if reduction == "none":
+        return loss
+    return loss.sum() / (1 if reduction == "sum" else (targets != -100).sum())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,10 +3,10 @@
     python scripts/trace_summary.py RUN/profile/rank0-steps30-31.json
 
 Per step: the training loop's named ranges (data, forward, backward, update: utils.Timer;
-cross_entropy and its backward: utils.cross_entropy), timed on the CPU. On a GPU trace the
-summary adds how busy the GPU was, its idle gaps, the kernels that took the most time, the
-attention kernels (flash or not), and the host's waits for the GPU (synchronizing CUDA
-calls). Open the trace itself in https://ui.perfetto.dev for the rest.
+cross_entropy and its backward where the loss is utils.cross_entropy), timed on the CPU. On a
+GPU trace the summary adds how busy the GPU was, its idle gaps, the kernels that took the most
+time, the attention kernels (flash or not), and the host's waits for the GPU (synchronizing
+CUDA calls). Open the trace itself in https://ui.perfetto.dev for the rest.
 """
 
 import argparse

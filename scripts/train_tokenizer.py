@@ -106,6 +106,7 @@ def main():
     config = GPT2Config(
         vocab_size=len(tok2),
         n_positions=args.max_length, n_embd=128, n_layer=4, n_head=4,
+        activation_function="gelu_pytorch_tanh",  # GPT-2's GELU as one kernel, not a formula
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
         bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
         pad_token_id=tok2.pad_token_id,

@@ -191,10 +191,12 @@ def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
 
 @settings(max_examples=examples(30), deadline=None)
 @given(tokens=st.integers(1, 40), vocab=st.integers(2, 70), chunk=st.integers(1, 3000),
-       bf16=st.booleans(), ignored=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
-def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, seed):
+       bf16=st.booleans(), ignored=st.floats(0, 1), seed=st.integers(0, 2**31 - 1),
+       smoothing=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, seed, smoothing):
     """Losses and gradients (with a different weight per token) equal F.cross_entropy's on the
-    float32 logits, however the rows are chunked and whatever share of targets is -100."""
+    float32 logits, however the rows are chunked, whatever share of targets is -100, with and
+    without label smoothing."""
     generator = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(tokens, vocab, generator=generator)).to(
         torch.bfloat16 if bf16 else torch.float32).requires_grad_()
@@ -202,9 +204,10 @@ def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, 
     targets[torch.rand(tokens, generator=generator) < ignored] = -100
     weights = torch.randn(tokens, generator=generator)
 
-    loss = utils.cross_entropy(logits, targets, chunk_elements=chunk)
+    loss = utils.cross_entropy(logits, targets, "none", smoothing, chunk_elements=chunk)
     (grad,) = torch.autograd.grad((loss * weights).sum(), logits)
-    expected = F.cross_entropy(logits.float(), targets, reduction="none")
+    expected = F.cross_entropy(logits.float(), targets, reduction="none",
+                               label_smoothing=smoothing)
     (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     assert grad.dtype == logits.dtype
@@ -231,7 +234,7 @@ class LargestFloat32(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("loss, at_most", [
-    (lambda x, t: utils.cross_entropy(x, t, chunk_elements=4000), 4000),
+    (lambda x, t: utils.cross_entropy(x, t, reduction="none", chunk_elements=4000), 4000),
     # All logits in float32: the test's proof that it can fail.
     pytest.param(lambda x, t: F.cross_entropy(x.float(), t, reduction="none"), 4000,
                  marks=pytest.mark.xfail(strict=True)),

@@ -1,0 +1,292 @@
+"""The kit's training step beside a bare training loop: the same model, batch, optimizer,
+schedule and gradient clipping, on the same pre-made token tensors. It prints tokens/s of each
+and their ratio, so the loop's overhead (kit ÷ bare, same model) and a model's (bare loop,
+shipped model ÷ plain GPT of the same shape) are each one number.
+
+    python scripts/bench_loop.py                          # the demo's defaults, shipped model
+    python scripts/bench_loop.py --models shipped plain   # and a plain GPT of the same shape
+    python scripts/bench_loop.py --rounds 3 --steps 60 -- --device cuda \
+        --model-name assets/gpt2-124m --seq-length 1024 --batch-size 16   # on a GPU
+
+"kit" is train_llm.main() as a user runs it, with the demo's defaults (wandb offline, the
+progress bar, metrics.jsonl, the log every --log-freq steps, Python's GC every --gc-freq), its
+data pipeline replaced by the pre-made batches behind the kit's own Prefetch thread; validation
+and checkpoints are put past the measured steps. "bare" is a loop of forward, F.cross_entropy,
+backward, clip_grad_norm_, an AdamW step with the lr set by hand, and loss.item(): the loop of
+nanoGPT's train.py without its extras. "plain" is a GPT written here in 40 lines: token and
+position embeddings, pre-norm blocks of causal scaled_dot_product_attention and a 4x MLP with
+tanh GELU, a tied output layer.
+
+The loops take turns in one process, a step each, so that they share the process's settings
+(OMP_WAIT_POLICY=PASSIVE, utils.keep_freed_memory) and the machine's drift: before each of the
+kit's steps, its loader runs one step of every bare loop (its own model and optimizer, the same
+batches). The kit's step is timed from the end of those to the start of the next ones, its data
+fetch included. Tokens/s is the mean over the steps after --warmup. A ratio compares the loops
+over blocks of --log-freq steps, each holding one log step (so the loop's periodic costs
+count), and is the median block of all --rounds processes: a stall of the machine, which this
+one has every few seconds, spoils one block, not the figure.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("shipped", "plain")
+
+
+def plain_gpt(config):
+    """A plain GPT of the shape of a transformers GPT-2 ``config``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    dim, heads = config.n_embd, config.n_head
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"),
+                                     nn.Linear(4 * dim, dim))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (z.view(b, t, heads, -1).transpose(1, 2)
+                       for z in self.qkv(self.ln1(x)).split(dim, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, dim))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = nn.Embedding(config.vocab_size, dim)
+            self.positions = nn.Embedding(config.n_positions, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(config.n_layer))
+            self.ln = nn.LayerNorm(dim)
+            for module in self.modules():  # GPT-2's initialization
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, std=0.02)
+                if isinstance(module, nn.Linear):
+                    nn.init.zeros_(module.bias)
+
+        def forward(self, input_ids, position_ids=None, **unused):
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = self.tokens(input_ids) + self.positions(position_ids)
+            for block in self.blocks:
+                x = block(x)
+            return types.SimpleNamespace(logits=self.ln(x) @ self.tokens.weight.T)
+
+    return GPT()
+
+
+def batches(args, vocab, count):
+    """``count`` batches of seeded random token ids, made before any step."""
+    import torch
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(vocab, (args.batch_size, args.seq_length), generator=generator)
+            for _ in range(count)]
+
+
+class BareLoop:
+    """The bare loop: its own copy of a model and optimizer, one step per call on the same
+    batches as the kit's."""
+
+    def __init__(self, model_kind, args, device, items):
+        import torch
+        import torch.nn.functional as F
+        from transformers import AutoConfig
+
+        import train_llm
+        torch.manual_seed(args.seed)
+        self.model = (train_llm.create_model(args) if model_kind == "shipped"
+                      else plain_gpt(AutoConfig.from_pretrained(args.model_name))).to(device)
+        self.optimizer = train_llm.build_optimizer(self.model, args)
+        self.inputs = [ids.to(device) for ids in items]
+        self.targets = [F.pad(ids[:, 1:], (0, 1), value=-100) for ids in self.inputs]
+        self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16,
+                                               enabled=device.type == "cuda")
+        self.args, self.n, self.times = args, 0, []
+
+    def step(self):
+        import torch
+        import torch.nn.functional as F
+
+        import train_llm
+        start = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = train_llm.get_lr(self.n // self.args.grad_accum, self.args)
+        for _ in range(self.args.grad_accum):
+            i = self.n % len(self.inputs)
+            with self.autocast():
+                logits = self.model(input_ids=self.inputs[i], use_cache=False).logits
+                loss = F.cross_entropy(logits.flatten(0, 1), self.targets[i].flatten())
+            loss.backward()
+            self.n += 1
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.item()  # one wait for the device per step, as the kit's
+        self.times.append(time.perf_counter() - start)
+
+
+class Interleaved:
+    """The kit's loader: before each of the kit's steps, one step of every bare loop; then the
+    next batch, through the kit's own Prefetch thread. The kit's step is timed from the end of
+    the bare steps to the start of the next ones (its data fetch included)."""
+
+    def __init__(self, inner, bare, grad_accum):
+        self.inner, self.bare, self.grad_accum = inner, bare, grad_accum
+        self.calls, self.times, self.resumed = 0, [], None
+
+    def __next__(self):
+        if self.calls % self.grad_accum == 0:
+            now = time.perf_counter()
+            if self.resumed is not None:
+                self.times.append(now - self.resumed)
+            for loop in self.bare:
+                loop.step()
+            self.resumed = time.perf_counter()
+        self.calls += 1
+        return next(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Premade:
+    """The pre-made batches as a pipeline stage: what the trainer reads of a loader."""
+
+    def __init__(self, items, pin_memory):
+        self.items, self.pin_memory, self.n = items, pin_memory, 0
+
+    def __next__(self):
+        ids = self.items[self.n % len(self.items)]
+        self.n += 1
+        return {"input_ids": ids.pin_memory() if self.pin_memory else ids}
+
+    def state_dict(self):
+        return {"epoch": 0, "n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+    def close(self):
+        pass
+
+
+def run(kit_model, bare_models, steps, flags, out):
+    """train_llm.main() with ``kit_model`` on the pre-made batches, a step of each bare loop
+    before each of its steps; every loop's step times to ``out``."""
+    sys.path.insert(0, str(ROOT))
+    import data
+    import train_llm
+
+    loaders, real = [], train_llm.build_pipeline
+    if kit_model == "plain":
+        train_llm.create_model = lambda args: plain_gpt(
+            __import__("transformers").AutoConfig.from_pretrained(args.model_name))
+
+    def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, **kwargs):
+        if not train:
+            return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
+        items = batches(args, len(tokenizer), 64)
+        device = torch_device(args)
+        bare = [BareLoop(kind, args, device, items) for kind in bare_models]
+        source = Premade(items, kwargs.get("pin_memory", False))
+        loaders.append(Interleaved(data.Prefetch(source, depth=args.grad_accum + 1), bare,
+                                   args.grad_accum))
+        return loaders[-1]
+
+    train_llm.build_pipeline = build_pipeline
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.argv = ["train_llm.py", "-e", "bench", "--save-dir", tmp, "--max-steps", str(steps),
+                    "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--val-batches", "1",
+                    *flags]
+        train_llm.main()
+    loader = loaders[0]
+    times = {f"kit/{kit_model}": loader.times}
+    times |= {f"bare/{kind}": loop.times[:len(loader.times)]
+              for kind, loop in zip(bare_models, loader.bare)}
+    Path(out).write_text(json.dumps(times))
+
+
+def torch_device(args):
+    import torch
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def measure(kit_model, args):
+    """One process: each loop's step times after the warm-up steps."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--case", kit_model, out.name, "--models", *args.models,
+               "--steps", str(args.warmup + args.steps), "--", *args.flags]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if result.returncode:
+            sys.exit(f"kit/{kit_model} failed:\n{result.stderr[-3000:]}")
+        times = json.loads(Path(out.name).read_text())
+    return {name: values[args.warmup:] for name, values in times.items()}
+
+
+def block_ratios(a, b, block):
+    """a's tokens/s ÷ b's in each run of ``block`` steps taken in turn: each block holds one
+    log step, so the loop's periodic costs count, and a stall of the machine stays in one."""
+    block = min(block, len(a))  # (a short run: one block)
+    return [sum(b[i:i + block]) / sum(a[i:i + block])
+            for i in range(0, len(a) - block + 1, block)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=["shipped"],
+                        help="the kit runs each in turn; the bare loop runs all beside it")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per kit model")
+    parser.add_argument("--steps", type=int, default=150, help="measured steps per process")
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out first")
+    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # a worker process
+    parser.add_argument("flags", nargs="*", help="train_llm.py flags, after --")
+    args = parser.parse_args()
+    if args.case:
+        return run(args.case[0], args.models, args.steps, args.flags, args.case[1])
+
+    sys.path.insert(0, str(ROOT))
+    import train_llm
+    defaults = train_llm.parse_args(["-e", "bench", *args.flags])
+    tokens = defaults.batch_size * defaults.seq_length * defaults.grad_accum
+    rounds = []  # {loop/model: its step times} per process
+    for r in range(args.rounds):
+        for kit_model in args.models:
+            rounds.append(measure(kit_model, args))
+            print(f"round {r + 1}: " + ", ".join(f"{name} {tokens / statistics.mean(s):,.0f}"
+                                                 for name, s in rounds[-1].items())
+                  + " tokens/s", flush=True)
+
+    def ratio(a, b):  # a ÷ b in tokens/s: the median block of all processes that ran both
+        return statistics.median(x for r in rounds if a in r and b in r
+                                 for x in block_ratios(r[a], r[b], defaults.log_freq))
+
+    print(f"\n{tokens} tokens a step, {args.steps} steps after {args.warmup} of warm-up, "
+          f"{args.rounds} rounds; train_llm.py flags: {' '.join(args.flags) or 'the defaults'}")
+    for name in sorted({name for r in rounds for name in r}):
+        values = [tokens / statistics.mean(r[name]) for r in rounds if name in r]
+        print(f"{name:14} {statistics.median(values):10,.0f} tokens/s (median; each process: "
+              + ", ".join(f"{v:,.0f}" for v in values) + ")")
+    print(f"ratios: the median over blocks of {defaults.log_freq} steps (--log-freq)")
+    for model in args.models:
+        print(f"kit ÷ bare, {model} model: {ratio(f'kit/{model}', f'bare/{model}'):.3f} "
+              "(goal ≥ 0.97)")
+    if len(args.models) == 2:
+        print(f"bare loop, shipped ÷ plain model: "
+              f"{ratio('bare/shipped', 'bare/plain'):.3f} (goal ≥ 1)")
+
+if __name__ == "__main__":
+    main()

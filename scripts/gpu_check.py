@@ -1,0 +1,243 @@
+"""Everything the kit promises on a GPU, checked and measured in one command: one table, and the
+same rows as JSON.
+
+    python scripts/gpu_check.py                        # a GPU machine: about 7 minutes, one H100
+    python scripts/gpu_check.py --out $OUT/gpu.json --profile-steps 30,31   # and a profile
+    python scripts/gpu_check.py --smoke                # the same code paths on the CPU, tiny
+
+Correctness, on the shipped tiny model unless said: the demo's first steps (bf16 on a GPU);
+GPT-2 124M (seq 64) with the background checkpoint writer and --deterministic, SIGKILLed while
+a background save is being written, then resumed: its last weights equal an uninterrupted run's
+(torch.equal); --compile and eager losses agree over 20 steps (bf16 rounding apart); --fsdp on
+one rank (torchrun) trains, and a run stopped and resumed logs the losses of one that was not.
+Speed, GPT-2 124M at seq 1024, 16 x 2 sequences a step (scripts/bench_gpu.py's runs): tokens/s,
+MFU, data wait and peak memory, eager and compiled, and the kit's pipeline against random tokens;
+the kit's step ÷ a bare loop (scripts/bench_loop.py); what a background save of GPT-2 124M
+holds the loop up, and how long it takes to write. Each row's goal is printed beside it.
+
+--smoke runs every row but --compile's on the CPU with the tiny model, in about a minute: the
+script is known to work before a GPU runs it (tests/test_gpu_check.py). Its figures mean
+nothing; only its pass/fail rows are judged. Exit status 1 when a correctness row fails.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_gpu  # noqa: E402  (the speed runs: the kit's pipeline and random tokens)
+
+TINY, GPT2 = str(ROOT / "assets/tiny-gpt2"), str(ROOT / "assets/gpt2-124m")
+QUIET = ["--wandb", "disabled", "--sample-tokens", "0", "--val-batches", "1"]
+
+
+class Check:
+    """The rows of the table: each a figure or a pass/fail, with its goal."""
+
+    def __init__(self, smoke):
+        self.smoke, self.rows = smoke, []
+
+    def row(self, group, name, value, goal="", ok=None, judged=True):
+        """``ok``: True/False for a pass/fail or a goal met; None: a figure without a goal.
+        A smoke run judges only the rows marked ``judged`` (correctness)."""
+        ok = ok if judged or not self.smoke else None
+        self.rows.append({"group": group, "check": name, "value": value, "goal": goal,
+                          "ok": ok})
+        mark = {True: "✓", False: "✗", None: ""}[ok]
+        print(f"| {group} | {name} | {value} | {goal} | {mark} |", flush=True)
+
+    def failed(self):
+        return [r["check"] for r in self.rows if r["ok"] is False and r["group"] == "correct"]
+
+
+def train(tmp, name, flags, torchrun=False, wait=True):
+    """train_llm.py as a user runs it, in a fresh process; its output goes to tmp/NAME.log."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=1"] if torchrun else [sys.executable])
+    with open(tmp / f"{name}.log", "a") as log:
+        proc = subprocess.Popen([*launcher, str(ROOT / "train_llm.py"), "-e", name,
+                                 "--save-dir", str(tmp), *flags], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT)
+    if wait and proc.wait() != 0:
+        sys.exit(f"{name} failed:\n{(tmp / f'{name}.log').read_text()[-3000:]}")
+    return proc
+
+
+def losses(tmp, name):
+    return [json.loads(line)["loss"] for line in (tmp / name / "metrics.jsonl").open()]
+
+
+def weights(tmp, name, step):
+    return torch.load(tmp / name / "checkpoints" / f"step-{step:06d}" / "model.pt",
+                      weights_only=True, map_location="cpu")
+
+
+def first_steps(check, tmp, args):
+    """The demo's first 20 steps (bf16 autocast on a GPU): finite losses that go down."""
+    train(tmp, "first", ["--max-steps", "20", *QUIET, *args.device_flags])
+    loss = losses(tmp, "first")
+    good = all(map(torch.isfinite, torch.tensor(loss))) and sum(loss[-5:]) / 5 < loss[0] - 0.5
+    check.row("correct", "demo, first 20 steps", f"loss {loss[0]:.3f} → {loss[-1]:.3f}",
+              "finite, going down", good)
+
+
+def kill_during_save(check, tmp, args):
+    """SIGKILL while a background save is written; the resumed run's last weights equal an
+    uninterrupted run's. Also the save's cost to the loop, from the uninterrupted run's log."""
+    flags = ["--model-name", args.save_model, "--seq-length", "64", "--batch-size", "1",
+             "--max-steps", "9", "--ckpt-freq", "3", "--log-freq", "1", "--deterministic",
+             "--checkpoint-writer", "background", "--keep-checkpoints", "0", *QUIET,
+             *args.device_flags]
+    train(tmp, "straight", flags)
+    log = (tmp / "straight.log").read_text()
+    held = [float(x) for x in re.findall(r"training waited ([\d.]+) s to stage", log)]
+    wrote = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
+    size = re.search(r"to stage ([\d.]+) GiB", log)
+    check.row("save", f"background save of {Path(args.save_model).name}: loop held up",
+              f"{max(held):.3f} s (largest of {len(held)})", "≤ 0.1 s", max(held) <= 0.1,
+              judged=False)
+    check.row("save", "… written in the background in", f"{max(wrote):.2f} s "
+              f"({size.group(1) if size else '?'} GiB)", "", None)
+
+    proc, log = train(tmp, "killed", flags, wait=False), tmp / "killed.log"
+    while proc.poll() is None and "step-000006 in the background" not in log.read_text():
+        time.sleep(0.005)
+    proc.kill()  # step 6's checkpoint is staged and being written in the background
+    proc.wait()
+    landed = "step-000006 (written" not in log.read_text()
+    train(tmp, "killed", flags)  # the same command resumes
+    resumed = "Resuming" in log.read_text()
+    same = all(torch.equal(a, b) for a, b in zip(weights(tmp, "straight", 9).values(),
+                                                 weights(tmp, "killed", 9).values()))
+    check.row("correct", "SIGKILL during a background save", "landed during the write"
+              if landed else "the write had finished", "", None)
+    check.row("correct", "… resumed with --deterministic == uninterrupted",
+              f"resumed: {resumed}, torch.equal: {same}", "equal", resumed and same)
+
+
+def fsdp_resume(check, tmp, args):
+    """--fsdp on one rank under torchrun: 8 steps straight, and 4 + 4 through a resume (all
+    inside the 60 warm-up steps: the same learning rates whatever --max-steps says)."""
+    flags = ["--fsdp", "--ckpt-freq", "4", "--deterministic", "--warmup-steps", "60", *QUIET,
+             *args.device_flags]
+    train(tmp, "fsdp", [*flags, "--max-steps", "8"], torchrun=True)
+    train(tmp, "fsdp2", [*flags, "--max-steps", "4"], torchrun=True)
+    train(tmp, "fsdp2", [*flags, "--max-steps", "8"], torchrun=True)
+    straight, split = losses(tmp, "fsdp"), losses(tmp, "fsdp2")
+    check.row("correct", "--fsdp (1 rank): trains, resumes", f"loss {straight[0]:.3f} → "
+              f"{straight[-1]:.3f}; resumed steps 5-8 equal: {straight == split}",
+              "equal losses", straight == split and straight[-1] < straight[0])
+
+
+def speed(check, tmp, args):
+    """scripts/bench_gpu.py's runs, eager and compiled, on the kit's data and random tokens."""
+    common = ["--model-name", args.speed_model, "--seq-length", str(args.seq_length),
+              "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
+              "--max-steps", str(args.steps), "--log-freq", str(args.log_freq),
+              "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--warmup-steps", "10",
+              *QUIET, *args.device_flags]
+    results, last_timed, profile = {}, None, []
+    if args.profile_steps:  # the averages end before the profiled steps (and their warm-up)
+        profile = ["--profile-steps", args.profile_steps]
+        first = int(args.profile_steps.split(",")[0])
+        last_timed = (first - 2) // args.log_freq * args.log_freq
+    # Random tokens eager only: a second compiled run would cost its compilation again.
+    runs = [("eager", "kit", []), ("eager", "random", []), ("compiled", "kit", ["--compile"])]
+    for case, data, flags in runs[:2] if args.smoke else runs:
+        results[case, data] = r = bench_gpu.run_case(
+            f"{case}-{data}", common + flags + (profile if data == "kit" else []),
+            data == "random", tmp, args.log_freq, last_timed=last_timed)
+        if data == "random":
+            ratio = results[case, "kit"]["tokens_per_s"] / r["tokens_per_s"]
+            check.row("speed", f"{case}: kit's pipeline ÷ random tokens", f"{ratio:.3f}",
+                      "≥ 0.99", ratio >= 0.99, judged=False)
+            continue
+        if profile:
+            bench_gpu.summarize_profile(tmp / f"{case}-kit" / "profile",
+                                        args.out.parent / f"profile-{case}")
+        goal = {"eager": 0.20, "compiled": 0.40}[case]
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        check.row("speed", f"{case}: tokens/s, MFU", f"{r['tokens_per_s']:,.0f}, {mfu}",
+                  f"MFU ≥ {goal:.0%}", r["mfu"] is not None and r["mfu"] >= goal, judged=False)
+        check.row("speed", f"{case}: data wait", f"{r['data_wait']:.2%}", "≤ 0.5%",
+                  r["data_wait"] <= 0.005, judged=False)
+        check.row("speed", f"{case}: peak memory", f"{r['peak_gib'] or 0:.2f} GiB", "", None)
+    if not args.smoke:
+        pairs = list(zip(results["eager", "kit"]["losses"][:20],
+                         results["compiled", "kit"]["losses"][:20]))
+        worst = max(abs(a - b) / abs(a) for a, b in pairs)
+        check.row("correct", "--compile vs eager losses, 20 steps", f"largest relative "
+                  f"difference {worst:.1e}", "≤ 2e-2 (bf16)", worst <= 2e-2)
+    else:
+        check.row("correct", "--compile vs eager losses", "not run (--smoke)", "", None)
+
+
+def loop_overhead(check, args):
+    """scripts/bench_loop.py: the kit's step ÷ a bare loop's, the same model and batch."""
+    command = [sys.executable, str(ROOT / "scripts/bench_loop.py"), "--rounds", "1",
+               "--steps", str(args.loop_steps), "--warmup", "3", "--",
+               "--model-name", args.speed_model, "--seq-length", str(args.seq_length),
+               "--batch-size", str(args.batch_size), *args.device_flags]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    found = re.search(r"kit ÷ bare, shipped model: ([\d.]+)", out.stdout)
+    if not found:
+        sys.exit(f"bench_loop.py failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+    ratio = float(found.group(1))
+    check.row("speed", "kit's step ÷ bare loop (bench_loop.py)", f"{ratio:.3f}", "≥ 0.97",
+              ratio >= 0.97, judged=False)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, about a minute")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs/gpu_check.json")
+    parser.add_argument("--profile-steps", default=None, metavar="FIRST,LAST",
+                        help="also profile these steps of the speed runs on the kit's data")
+    args = parser.parse_args()
+    big = not args.smoke
+    args.device_flags = [] if big else ["--device", "cpu"]
+    args.save_model = GPT2 if big else TINY
+    args.speed_model = GPT2 if big else TINY
+    args.seq_length, args.batch_size = (1024, 16) if big else (128, 8)
+    args.grad_accum, args.steps, args.log_freq = (2, 40, 10) if big else (1, 8, 4)
+    args.loop_steps = 20 if big else 4
+    return args
+
+
+def main():
+    args = parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("No GPU here: run with --smoke for the CPU check of this script.")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke \
+        else "CPU"
+    print(f"{device}, torch {torch.__version__}, CUDA {torch.version.cuda}\n")
+    print("| group | check | value | goal | ok |\n|---|---|---|---|---|")
+    check, start = Check(args.smoke), time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for part in (first_steps, kill_during_save, fsdp_resume, speed):
+            part(check, tmp, args)
+    loop_overhead(check, args)
+    seconds = time.perf_counter() - start
+    print(f"\n{seconds:.0f} s in all")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                    "cuda": torch.version.cuda, "smoke": args.smoke,
+                                    "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
+                                    "rows": check.rows}, indent=1))
+    if check.failed():
+        sys.exit(f"failed: {', '.join(check.failed())}")
+
+
+if __name__ == "__main__":
+    main()
