@@ -497,7 +497,7 @@ def sequence_losses(logits, targets):
     targets = next_token_targets(targets)
     # F.cross_entropy keeps float32 [N, V] tensors beside the logits: for bf16 logits (a GPU's
     # autocast) or over 2**28 of them, utils' computes the same a chunk of rows at a time.
-    chunked = logits.dtype != torch.float32 or logits.numel() > 2**28
+    chunked = logits.dtype in (torch.bfloat16, torch.float16) or logits.numel() > 2**28
     loss = (utils.cross_entropy if chunked else F.cross_entropy)(
         logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
     return loss[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)  # (the last position: 0)

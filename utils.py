@@ -15,6 +15,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
 """
 
 import argparse
+import atexit
 import concurrent.futures
 import contextlib
 import copy
@@ -540,6 +541,7 @@ class MetricsLog:
                 sys.exit(f"--wandb {args.wandb}: Weights & Biases did not start ({e}). Log in "
                          "(`wandb login`), or train with --wandb offline and upload the run "
                          "later with `wandb sync`.")
+            atexit.register(self.send)  # a run that dies (diverged, bad data) sends the rest
 
     def write(self, metrics):
         if self.file:
@@ -1061,6 +1063,8 @@ def cross_entropy(logits, targets, reduction="mean", label_smoothing=0.0,
     """F.cross_entropy(logits, targets, ...) of [N, V] logits and [N] targets (-100: not
     scored), with float32 copies of at most ``chunk_elements`` logits at a time
     (ChunkedCrossEntropy; 128 MB)."""
+    if reduction not in ("none", "mean", "sum") or not 0 <= label_smoothing <= 1:
+        raise ValueError(f"reduction {reduction!r}, label_smoothing {label_smoothing}")
     loss = ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]),
                                      label_smoothing)
     if reduction == "none":

@@ -101,14 +101,14 @@ class BareLoop:
     """The bare loop: its own copy of a model and optimizer, one step per call on the same
     batches as the kit's."""
 
-    def __init__(self, model_kind, args, device, items):
+    def __init__(self, model_kind, args, device, items, create_model):
         import torch
         import torch.nn.functional as F
         from transformers import AutoConfig
 
         import train_llm
         torch.manual_seed(args.seed)
-        self.model = (train_llm.create_model(args) if model_kind == "shipped"
+        self.model = (create_model(args) if model_kind == "shipped"
                       else plain_gpt(AutoConfig.from_pretrained(args.model_name))).to(device)
         self.optimizer = train_llm.build_optimizer(self.model, args)
         self.inputs = [ids.to(device) for ids in items]
@@ -144,12 +144,14 @@ class Interleaved:
     next batch, through the kit's own Prefetch thread. The kit's step is timed from the end of
     the bare steps to the start of the next ones (its data fetch included)."""
 
-    def __init__(self, inner, bare, grad_accum):
-        self.inner, self.bare, self.grad_accum = inner, bare, grad_accum
+    def __init__(self, inner, bare, grad_accum, cuda):
+        self.inner, self.bare, self.grad_accum, self.cuda = inner, bare, grad_accum, cuda
         self.calls, self.times, self.resumed = 0, [], None
 
     def __next__(self):
         if self.calls % self.grad_accum == 0:
+            if self.cuda:  # the kit's last kernels (its optimizer step) count as its own
+                __import__("torch").cuda.synchronize()
             now = time.perf_counter()
             if self.resumed is not None:
                 self.times.append(now - self.resumed)
@@ -191,7 +193,7 @@ def run(kit_model, bare_models, steps, flags, out):
     import data
     import train_llm
 
-    loaders, real = [], train_llm.build_pipeline
+    loaders, real, shipped = [], train_llm.build_pipeline, train_llm.create_model
     if kit_model == "plain":
         train_llm.create_model = lambda args: plain_gpt(
             __import__("transformers").AutoConfig.from_pretrained(args.model_name))
@@ -201,10 +203,10 @@ def run(kit_model, bare_models, steps, flags, out):
             return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
         items = batches(args, len(tokenizer), 64)
         device = torch_device(args)
-        bare = [BareLoop(kind, args, device, items) for kind in bare_models]
+        bare = [BareLoop(kind, args, device, items, shipped) for kind in bare_models]
         source = Premade(items, kwargs.get("pin_memory", False))
         loaders.append(Interleaved(data.Prefetch(source, depth=args.grad_accum + 1), bare,
-                                   args.grad_accum))
+                                   args.grad_accum, device.type == "cuda"))
         return loaders[-1]
 
     train_llm.build_pipeline = build_pipeline

@@ -1,5 +1,6 @@
-"""Peak memory of the loss at GPT-2's vocabulary: F.cross_entropy (the kit's loss before) vs
-utils.cross_entropy (a float32 chunk of rows at a time), forward and backward, on the CPU.
+"""Peak memory of the loss at GPT-2's vocabulary: F.cross_entropy vs utils.cross_entropy (a
+float32 chunk of rows at a time, the kit's loss for bf16 or huge logits), forward and backward,
+on the CPU.
 
     python scripts/bench_loss.py                      # 8 x 1024 tokens, vocabulary 50,257
     python scripts/bench_loss.py --tokens 16384 --dtypes bfloat16

@@ -1,7 +1,7 @@
 """Everything the kit promises on a GPU, checked and measured in one command: one table, and the
 same rows as JSON.
 
-    python scripts/gpu_check.py                        # a GPU machine: about 7 minutes, one H100
+    python scripts/gpu_check.py                        # a GPU machine: 7 minutes (estimated)
     python scripts/gpu_check.py --out $OUT/gpu.json --profile-steps 30,31   # and a profile
     python scripts/gpu_check.py --smoke                # the same code paths on the CPU, tiny
 
@@ -94,7 +94,7 @@ def kill_during_save(check, tmp, args):
     """SIGKILL while a background save is written; the resumed run's last weights equal an
     uninterrupted run's. Also the save's cost to the loop, from the uninterrupted run's log."""
     flags = ["--model-name", args.save_model, "--seq-length", "64", "--batch-size", "1",
-             "--max-steps", "9", "--ckpt-freq", "3", "--log-freq", "1", "--deterministic",
+             "--max-steps", "12", "--ckpt-freq", "3", "--log-freq", "1", "--deterministic",
              "--checkpoint-writer", "background", "--keep-checkpoints", "0", *QUIET,
              *args.device_flags]
     train(tmp, "straight", flags)
@@ -102,9 +102,10 @@ def kill_during_save(check, tmp, args):
     held = [float(x) for x in re.findall(r"training waited ([\d.]+) s to stage", log)]
     wrote = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
     size = re.search(r"to stage ([\d.]+) GiB", log)
+    # The first save's: a later one also waits for the write before it, which takes longer
+    # than the few steps of seq 64 between two saves here.
     check.row("save", f"background save of {Path(args.save_model).name}: loop held up",
-              f"{max(held):.3f} s (largest of {len(held)})", "≤ 0.1 s", max(held) <= 0.1,
-              judged=False)
+              f"{held[0]:.3f} s", "≤ 0.1 s", held[0] <= 0.1, judged=False)
     check.row("save", "… written in the background in", f"{max(wrote):.2f} s "
               f"({size.group(1) if size else '?'} GiB)", "", None)
 
@@ -116,8 +117,9 @@ def kill_during_save(check, tmp, args):
     landed = "step-000006 (written" not in log.read_text()
     train(tmp, "killed", flags)  # the same command resumes
     resumed = "Resuming" in log.read_text()
-    same = all(torch.equal(a, b) for a, b in zip(weights(tmp, "straight", 9).values(),
-                                                 weights(tmp, "killed", 9).values()))
+    straight, killed = weights(tmp, "straight", 12), weights(tmp, "killed", 12)
+    same = straight.keys() == killed.keys() and all(
+        torch.equal(straight[k], killed[k]) for k in straight)
     check.row("correct", "SIGKILL during a background save", "landed during the write"
               if landed else "the write had finished", "", None)
     check.row("correct", "… resumed with --deterministic == uninterrupted",
@@ -181,7 +183,7 @@ def speed(check, tmp, args):
         check.row("correct", "--compile vs eager losses", "not run (--smoke)", "", None)
 
 
-def loop_overhead(check, args):
+def loop_overhead(check, tmp, args):
     """scripts/bench_loop.py: the kit's step ÷ a bare loop's, the same model and batch."""
     command = [sys.executable, str(ROOT / "scripts/bench_loop.py"), "--rounds", "1",
                "--steps", str(args.loop_steps), "--warmup", "3", "--",
@@ -209,7 +211,7 @@ def parse_args():
     args.speed_model = GPT2 if big else TINY
     args.seq_length, args.batch_size = (1024, 16) if big else (128, 8)
     args.grad_accum, args.steps, args.log_freq = (2, 40, 10) if big else (1, 8, 4)
-    args.loop_steps = 20 if big else 4
+    args.loop_steps = 30 if big else 4
     return args
 
 
@@ -225,9 +227,12 @@ def main():
     check, start = Check(args.smoke), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for part in (first_steps, kill_during_save, fsdp_resume, speed):
-            part(check, tmp, args)
-    loop_overhead(check, args)
+        for part in (first_steps, kill_during_save, fsdp_resume, speed, loop_overhead):
+            try:  # a part that fails is a failed row: the others still run, the JSON is written
+                part(check, tmp, args)
+            except (Exception, SystemExit) as e:
+                check.row("correct", f"{part.__name__} ran", f"failed: {str(e)[-500:]!r}",
+                          "runs", False)
     seconds = time.perf_counter() - start
     print(f"\n{seconds:.0f} s in all")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -196,7 +196,7 @@ def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
 def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, seed, smoothing):
     """Losses and gradients (with a different weight per token) equal F.cross_entropy's on the
     float32 logits, however the rows are chunked, whatever share of targets is -100, with and
-    without label smoothing."""
+    without label smoothing; so do their mean and sum."""
     generator = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(tokens, vocab, generator=generator)).to(
         torch.bfloat16 if bf16 else torch.float32).requires_grad_()
@@ -216,6 +216,11 @@ def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, 
     tolerance = 2**-7 if bf16 else 1e-5
     torch.testing.assert_close(grad.float(), expected_grad.float(), rtol=tolerance,
                                atol=tolerance)
+    for reduction in ("mean", "sum"):  # (all targets -100: a mean of nothing, NaN in both)
+        torch.testing.assert_close(
+            utils.cross_entropy(logits, targets, reduction, smoothing, chunk_elements=chunk),
+            F.cross_entropy(logits.float(), targets, reduction=reduction,
+                            label_smoothing=smoothing), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 class LargestFloat32(TorchDispatchMode):
