@@ -1779,10 +1779,12 @@ def write_atomic(path, text):
 
 
 def _step_dirs(exp_dir):
-    """{step: directory} of the checkpoints that were completely written."""
+    """{step: directory} of the checkpoints that were completely written: the names the kit
+    gives them only (step-000400), so that a copy a user named step-400 is never deleted."""
     root = exp_dir / "checkpoints"
-    dirs = root.glob("step-*") if root.exists() else []
-    return {int(d.name[5:]): d for d in dirs if d.name[5:].isdigit()}
+    named = {d.name[5:]: d for d in root.glob("step-*")} if root.exists() else {}
+    return {int(n): d for n, d in named.items()
+            if n.isascii() and n.isdigit() and n == f"{int(n):06d}"}
 
 
 # The per-rank files of a checkpoint (DESIGN.md section 3).

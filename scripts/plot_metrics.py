@@ -6,6 +6,7 @@ for a run that mixes domains (--mix, --odm), each domain's probability and valid
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -19,12 +20,19 @@ def main():
     parser.add_argument("exp_dir", type=Path, help="an experiment directory of train_llm.py")
     args = parser.parse_args()
 
+    path = args.exp_dir / "metrics.jsonl"
+    if not path.is_file():
+        sys.exit(f"{path}: no such file. Pass the directory of a run of train_llm.py "
+                 "(outputs/NAME) that has trained a step.")
     rows = []
-    for line in (args.exp_dir / "metrics.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
         except ValueError:  # the torn last line of a run that is being killed
             pass
+    rows = [row for row in rows if isinstance(row, dict) and "step" in row]  # (not a note)
+    if not rows:
+        sys.exit(f"{path} holds no step yet: nothing to plot.")
 
     def series(key):
         points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]

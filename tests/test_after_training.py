@@ -287,3 +287,16 @@ def test_a_run_from_another_runs_weights_keeps_that_runs_tokenizer(tmp_path, tin
                                seq_length=64, init_from=str(tmp_path / "pre")),
                    f"--tokenizer={ROOT / 'assets/tokenizer'}"]),
             "is not the tokenizer that --init-from", str(other))
+
+
+def test_plot_metrics_of_a_run_without_steps_is_one_paragraph(tmp_path):
+    """plot_metrics.py on a path that is no run, and on a run whose metrics.jsonl holds no
+    step (empty, or only a user's note): an exit that names the file, no traceback."""
+    def plot(exp):
+        return subprocess.run([sys.executable, "scripts/plot_metrics.py", str(exp)], cwd=ROOT,
+                              env=ENV, capture_output=True, text=True)
+
+    refused(plot(tmp_path / "nonexistent"), f"{tmp_path / 'nonexistent' / 'metrics.jsonl'}",
+            "no such file")
+    (tmp_path / "metrics.jsonl").write_text('{"note": "lr looked high"}\n"a string"\n')
+    refused(plot(tmp_path), f"{tmp_path / 'metrics.jsonl'} holds no step yet")

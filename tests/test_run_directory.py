@@ -192,6 +192,22 @@ def test_keeping_k_checkpoints_deletes_only_the_runs_own(tmp_path):
     assert names == ["step-000000", "step-000003"]
 
 
+def test_a_users_copy_of_a_checkpoint_under_another_name_is_never_deleted(tmp_path):
+    """Backups named by hand (step-2, a copy of step-000002 that carries this run's id) are not
+    the kit's: neither keeping k checkpoints nor a resume's discard deletes them."""
+    state = {"global_step": 0, "run_id": "this-run"}
+    utils.write_checkpoint(tmp_path, 2, {"a.pt": torch.ones(1)}, state, keep=0)
+    root = tmp_path / "checkpoints"
+    backups = ["step-2", "step-0000002", "step-2.bak"]
+    for name in backups:
+        shutil.copytree(root / "step-000002", root / name)
+    for step in (3, 4, 5):
+        utils.write_checkpoint(tmp_path, step, {"a.pt": torch.ones(1)}, state, keep=1)
+    utils.discard_after(tmp_path, 1, "this-run")  # (a roll-back to before step 2)
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".deleted")) == sorted(
+        backups)
+
+
 @pytest.mark.slow
 def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, tmp_path,
                                                                      tiny_model):
