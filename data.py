@@ -692,8 +692,10 @@ def _check_formats(urls, format):
 def _parse(data, kind, required_fields, check):
     """A record from what a reader gave (a line of JSON Lines or text, a Parquet row, a JSON
     array's element), checked; a bad one raises ValueError."""
-    record = (_json_line(data) if kind == "jsonl" else {"text": data.decode().rstrip("\r\n")}
-              if kind == "text" else data)
+    # A BOM opening a text line (a file's first, from Windows tools) is no text, as in JSON.
+    record = (_json_line(data) if kind == "jsonl" else
+              {"text": data.decode().rstrip("\r\n").removeprefix("\ufeff")} if kind == "text"
+              else data)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     if required_fields and (missing := _missing(record, required_fields)):

@@ -92,3 +92,11 @@ def test_a_json_lines_record_is_what_json_loads_makes_of_its_line(lines, bom):
         # (compared as JSON text: a NaN in a record is not equal to itself)
         assert [json.dumps(r) for r in files] == [json.dumps(v) for v in expected if v != "bad"]
         assert files.skipped == expected.count("bad")
+
+
+def test_a_text_shard_that_starts_with_a_bom_reads_its_text_without_it(tmp_path):
+    """A .txt file saved with a BOM (Notepad, Excel): the first record is the text, as a
+    .jsonl shard's is; the BOM is not trained as a character."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(codecs.BOM_UTF8 + b"first line\nsecond line\r\n")
+    assert [r["text"] for r in Files(str(path))] == ["first line", "second line"]
