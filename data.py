@@ -200,6 +200,10 @@ def expand_urls(urls):
                 found = [url]
             if not found:
                 raise FileNotFoundError(f"no files match {url!r}")
+            if odd := [p for p in found if "://" not in p and os.path.exists(p)
+                       and not os.path.isfile(p)]:  # a FIFO would block, /dev/zero never end
+                raise DataError(f"shard {odd[0]}: not a regular file (a pipe, a device or a "
+                                "socket): shards are files that can be measured and seeked")
             out.extend(found)
     return list(dict.fromkeys(out))  # overlapping patterns name a shard once
 

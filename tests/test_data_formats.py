@@ -3,6 +3,7 @@ none is a DataError naming the flag; a directory of .txt files trains."""
 
 import codecs
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -100,3 +101,16 @@ def test_a_text_shard_that_starts_with_a_bom_reads_its_text_without_it(tmp_path)
     path = tmp_path / "notes.txt"
     path.write_bytes(codecs.BOM_UTF8 + b"first line\nsecond line\r\n")
     assert [r["text"] for r in Files(str(path))] == ["first line", "second line"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_shard_that_is_no_regular_file_is_refused_by_name_before_it_is_read(tmp_path, kind):
+    """A FIFO with no writer would block the start forever, /dev/zero fill the memory with one
+    endless line: both are refused, naming the path, before anything opens them."""
+    path = tmp_path / "data.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    with pytest.raises(DataError, match=f"shard {path}: not a regular file"):
+        Files(str(path))
