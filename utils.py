@@ -191,7 +191,12 @@ def check_args(parser, args, local_paths, shipped):
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         per_micro_step = world_size * args.batch_size
         accum, left = divmod(args.global_batch_size, per_micro_step)
-        if left or args.grad_accum not in (1, accum):
+        if not left and args.grad_accum not in (1, accum):
+            parser.error(f"--grad-accum {args.grad_accum} and --global-batch-size "
+                         f"{args.global_batch_size} disagree: --global-batch-size sets "
+                         f"--grad-accum ({args.global_batch_size} / ({world_size} x "
+                         f"--batch-size {args.batch_size}) = {accum}); pass one of the two.")
+        if left:
             parser.error(f"--global-batch-size {args.global_batch_size} must be a multiple of "
                          f"world size x --batch-size = {world_size} x {args.batch_size} = "
                          f"{per_micro_step}: --grad-accum follows from it (leave it out). Pick "

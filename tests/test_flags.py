@@ -40,7 +40,9 @@ def test_counts_and_mix_weights_are_checked_by_the_parser(argv, words, capsys):
     (["--profile-steps", "0,3"], "expected FIRST,LAST"),
     (["--device", "nonsense"], "is not a torch device"),
     (["--global-batch-size", "10", "-b", "4"], "must be a multiple of world size x --batch-size"),
-    (["--global-batch-size", "8", "-b", "4", "--grad-accum", "3"], "(leave it out)"),
+    (["--global-batch-size", "8", "-b", "4", "--grad-accum", "3"], "= 2); pass one of the two"),
+    (["--global-batch-size", "8", "-b", "2", "--grad-accum", "3"],
+     "--grad-accum 3 and --global-batch-size 8 disagree"),  # 8 is a multiple of 2
     (["--grad-clip=-1"], "--grad-clip: must be a number > 0"),  # gradient ascent
     (["--grad-clip", "0"], "--grad-clip: must be a number > 0"),  # trains nothing
     (["--grad-clip", "nan"], "--grad-clip: must be a number > 0"),
