@@ -1354,6 +1354,9 @@ def load_trained(path, script=None, weights="model"):
     ``script`` if given; ``weights`` picks another set of its weights (see checkpoint_weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
+    if script is not None and not Path(script).is_file():
+        raise OSError(f"--script {script}: no such file. Pass the training script that trained "
+                      "the run, or leave --script out (a run records its own).")
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
         if weights != "model":
             raise OSError(f"{path} is a Hugging Face model: it holds one set of weights; "
@@ -1428,6 +1431,9 @@ def rebuild_model(script, config, ckpt_dir):
                       "builds the model these weights belong to. Put the script back there, or "
                       "pass a copy of it to generate.py or export_hf.py with --script.")
     module = load_script(script)
+    if not callable(getattr(module, "create_model", None)):
+        raise OSError(f"{script} has no create_model: pass the training script (a copy of "
+                      "train_llm.py) whose create_model builds the run's model.")
     args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
     return module.create_model(types.SimpleNamespace(**args))
 

@@ -300,3 +300,16 @@ def test_plot_metrics_of_a_run_without_steps_is_one_paragraph(tmp_path):
             "no such file")
     (tmp_path / "metrics.jsonl").write_text('{"note": "lr looked high"}\n"a string"\n')
     refused(plot(tmp_path), f"{tmp_path / 'metrics.jsonl'} holds no step yet")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given, words", [
+    ("/nope.py", ["--script /nope.py: no such file"]),
+    ("data.py", ["data.py has no create_model", "train_llm.py"]),
+])
+def test_generate_with_a_script_that_cannot_build_the_model_is_one_paragraph(four_steps,
+                                                                             given, words):
+    result = subprocess.run([sys.executable, "scripts/generate.py", str(four_steps),
+                             "--prompt", "The", "--script", given], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True)
+    refused(result, *words)
