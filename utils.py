@@ -115,7 +115,7 @@ def torch_device(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from e
     if value.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA GPU that torch "
-                                         "can use; leave --device out to train on the CPU")
+                                         "can use; leave --device out to run on the CPU")
     if value.type == "cuda" and (value.index or 0) >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
                                          "GPU(s)")

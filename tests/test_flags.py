@@ -101,6 +101,8 @@ def test_a_gpu_device_without_a_gpu_is_refused_when_parsed(capsys):
     (["--temperature=-1"], "--temperature: must be a finite number >= 0"),
     (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
     (["--device", "nonsense"], "is not a torch device"),
+    pytest.param(["--device", "cuda"], "leave --device out to run on the CPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
 def test_generate_checks_its_flags_when_parsed(argv, words, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
