@@ -2181,7 +2181,9 @@ def check_validation(batches, wanted, train_spec, val_spec, warn=True):
     """Refuse a validation set of no batch; warn (``warn``: on one rank) about fewer than
     ``wanted``, and about shards shared with the training data."""
     if not batches:
-        raise DataError(f"--val-dataset {val_spec} has less than one batch of tokens.")
+        raise DataError(f"--val-dataset {val_spec} has less than one batch of tokens "
+                        "(--batch-size x --seq-length): lower --batch-size, or pass a bigger "
+                        "--val-dataset.")
     if not warn:
         return
     if len(batches) < wanted:

@@ -48,6 +48,8 @@ def test_expected_failures_end_in_one_paragraph(tmp_path, tiny_model):
     refused(run(task="sft", dataset=sft, val_dataset=sft), f"shard {sft}, line 4",
             "needs string fields 'instruction' and 'output'")
     refused(run(odm="exp3", dataset="data/sample/*/nothing-*.jsonl"), "has no domains to mix")
+    tiny_val = jsonl(tmp_path / "val.jsonl", [{"text": "short"}] * 3)
+    refused(run(val_dataset=tiny_val), "less than one batch of tokens", "lower --batch-size")
     (tmp_path / "not-a-dir").write_text("")
     refused(train(train_args(tmp_path / "not-a-dir", tiny_model)), "not-a-dir")
 
