@@ -1573,14 +1573,17 @@ def is_export(path):
 
 
 def export_is_current(out, checkpoint):
-    """Whether ``out`` is a whole export of ``checkpoint`` (no half-written out.tmp beside it)."""
+    """Whether ``out`` is a whole export of ``checkpoint``: no half-written out.tmp beside it,
+    and every file its marker lists still there (a user may have deleted the weights)."""
     marker = Path(out) / EXPORT_MARKER
     if not marker.exists() or Path(f"{out}.tmp").exists():
         return False
     try:
-        return json.loads(marker.read_text()).get("exported_from") == checkpoint
+        record = json.loads(marker.read_text())
     except ValueError:
         return False
+    return record.get("exported_from") == checkpoint and all(
+        (Path(out) / name).is_file() for name in record.get("files") or [])
 
 
 def prompt_format(config):

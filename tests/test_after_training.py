@@ -243,6 +243,16 @@ def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps,
 
 
 @pytest.mark.slow
+def test_an_export_missing_a_file_it_wrote_is_not_current(four_steps, tmp_path):
+    """A user deleted hf/model.safetensors: the rerun of the finished run exports again
+    (export_is_current says no), where the marker alone would say the export is whole."""
+    exp = copy_run(four_steps, tmp_path)
+    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+    (exp / "hf" / "model.safetensors").unlink()
+    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+
+
+@pytest.mark.slow
 def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, tiny_model):
     exp = copy_run(four_steps, tmp_path)
     shutil.rmtree(exp / "hf")
