@@ -77,8 +77,8 @@ def losses(tmp, name):
 
 
 def weights(tmp, name, step):
-    return torch.load(tmp / name / "checkpoints" / f"step-{step:06d}" / "model.pt",
-                      weights_only=True, map_location="cpu")
+    path = tmp / name / "checkpoints" / f"step-{step:06d}" / "model.pt"
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def first_steps(check, tmp, args):
