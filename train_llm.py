@@ -87,8 +87,7 @@ def main():
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizer, lr_scheduler, extra, train_loader, args, ctx)
     run.begin_training(args, ctx, train_loader)  # forget what a killed run did after it
-    if args.compile:  # in place, so state_dict() keys stay those of the plain model
-        utils.unwrap(model).compile()
+    losses = compile_model(model, args)  # --compile: the model, in place, and the loss
 
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     stop = utils.stop_on_signals()  # SIGTERM, Ctrl-C: finish the step, save, exit
@@ -120,7 +119,7 @@ def main():
                 break
 
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
-            stats = train_step(model, batches, ctx, timers, len(domains))
+            stats = train_step(model, batches, ctx, timers, losses, len(domains))
             log_step = step % args.log_freq == 0 or step == args.max_steps
             stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
             with timers["update"]:
@@ -274,6 +273,14 @@ def parallelize(model, args, ctx):
     return model
 
 
+def compile_model(model, args):
+    """--compile: the model in place (state_dict() keys stay those of the plain model) and the
+    loss, whose softmax Inductor fuses. Returns the loss function for train_step."""
+    if args.compile:
+        utils.unwrap(model).compile()
+    return torch.compile(sequence_losses) if args.compile else sequence_losses
+
+
 def build_optimizer(model, args):
     """AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
     towards zero does not regularize anything. The fused kernel: one launch per step on a GPU,
@@ -418,16 +425,16 @@ def save_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ct
 
 # --- The training step ------------------------------------------------------------------------
 
-def train_step(model, batches, ctx, timers, n_domains=0):
+def train_step(model, batches, ctx, timers, losses, n_domains=0):
     """Forward and backward over one step's micro-batches, whose gradients add up.
 
     The gradient is that of the step's mean loss per scored token over all micro-batches and
     ranks, however the batch is cut: each micro-batch's summed loss is divided by the step's
     count of scored tokens (one all-reduce), times the world size, which DDP's averaging
-    divides out. (A mean per micro-batch would weigh a micro-batch with few answer tokens like
-    one with many.) Returns this rank's numbers as tensors: "loss" (its share of the mean)
-    and, with domains, "domain_loss", "domain_tokens", "domain_sequences" per domain.
-    """
+    divides out (a mean per micro-batch would weigh one with few answer tokens like one with
+    many). ``losses``: sequence_losses or its compiled form. Returns this rank's numbers as
+    tensors: "loss" (its share of the mean) and, with domains, "domain_loss", "domain_tokens",
+    "domain_sequences" per domain."""
     scored = torch.full((), float(sum(scored_tokens(batch) for batch in batches)),
                         device=ctx.device)  # counted on the CPU, filled in on the device
     if ctx.distributed:
@@ -441,7 +448,7 @@ def train_step(model, batches, ctx, timers, n_domains=0):
         with utils.gradient_sync(model, enabled=i == len(batches) - 1):
             with timers["forward"], ctx.autocast():
                 logits, targets = forward(model, batch, ctx.device)
-                sums, counts = sequence_losses(logits, targets)
+                sums, counts = losses(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
             # The logits ([batch, seq, vocab], the largest activation) are needed only by the
             # loss's backward, which runs first: without our reference they go right after.
@@ -494,13 +501,14 @@ def forward(model, batch, device):
 def sequence_losses(logits, targets):
     """Next-token cross-entropy summed over each sequence, and the tokens scored: two [batch]
     tensors, what a mean over tokens, or over a domain's sequences, is made of."""
-    targets = next_token_targets(targets)
-    # F.cross_entropy keeps float32 [N, V] tensors beside the logits: for bf16 logits (a GPU's
-    # autocast) or over 2**28 of them, utils' computes the same a chunk of rows at a time.
-    chunked = logits.dtype in (torch.bfloat16, torch.float16) or logits.numel() > 2**28
-    loss = (utils.cross_entropy if chunked else F.cross_entropy)(
-        logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
-    return loss[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)  # (the last position: 0)
+    targets, flat = next_token_targets(targets), logits.flatten(0, 1)
+    # In float32, as autocast does. F.cross_entropy keeps float32 [N, V] tensors beside the
+    # logits: past 2**30 of them (4 GiB each; on a CPU past 2**28, where it is also slower)
+    # utils' computes the same a chunk of rows at a time. Compiled, neither is stored.
+    big = flat.numel() > (2**30 if flat.is_cuda else 2**28) and not torch.compiler.is_compiling()
+    loss = (utils.cross_entropy(flat, targets.flatten(), reduction="none") if big else
+            F.cross_entropy(flat.float(), targets.flatten(), reduction="none"))
+    return loss.view(targets.shape)[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)
 
 
 # --- Metrics and validation -------------------------------------------------------------------

@@ -2119,6 +2119,7 @@ class BackgroundWriter:
         """Write ``files`` with ``write``; returns the seconds the caller was held up."""
         start = time.perf_counter()
         self.wait()
+        staging = time.perf_counter()
         if self.sync:
             write(files)
             held = time.perf_counter() - start
@@ -2129,9 +2130,10 @@ class BackgroundWriter:
         if self.staging.pin_memory:  # the copies from the GPU run asynchronously
             ready = torch.cuda.Event()
             ready.record()
-        held = time.perf_counter() - start
-        self.log(f"Saving {name} in the background (training waited {held:.2f} s to stage "
-                 f"{self.staging.nbytes() / GiB:.2f} GiB)")
+        held, now = time.perf_counter() - start, time.perf_counter()
+        # The rest of the wait was for the save before (--ckpt-freq steps took less than it).
+        self.log(f"Saving {name} in the background (training waited {held:.2f} s, "
+                 f"{now - staging:.2f} s of it to stage {self.staging.nbytes() / GiB:.2f} GiB)")
         self.thread = threading.Thread(target=self._write, args=(name, write, staged, ready),
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()

@@ -99,13 +99,14 @@ def kill_during_save(check, tmp, args):
              *args.device_flags]
     train(tmp, "straight", flags)
     log = (tmp / "straight.log").read_text()
-    held = [float(x) for x in re.findall(r"training waited ([\d.]+) s to stage", log)]
+    staged = [float(x) for x in re.findall(r"([\d.]+) s of it to stage", log)]
     wrote = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
     size = re.search(r"to stage ([\d.]+) GiB", log)
-    # The first save's: a later one also waits for the write before it, which takes longer
-    # than the few steps of seq 64 between two saves here.
-    check.row("save", f"background save of {Path(args.save_model).name}: loop held up",
-              f"{held[0]:.3f} s", "≤ 0.1 s", held[0] <= 0.1, judged=False)
+    # The first save also allocates the pinned buffers that the later ones reuse.
+    later = sorted(staged[1:])[len(staged[1:]) // 2]
+    check.row("save", f"background save of {Path(args.save_model).name}: loop held up to "
+              "stage (first save; later ones, median)", f"{staged[0]:.3f} s; {later:.3f} s",
+              "later ≤ 0.1 s", later <= 0.1, judged=False)
     check.row("save", "… written in the background in", f"{max(wrote):.2f} s "
               f"({size.group(1) if size else '?'} GiB)", "", None)
 

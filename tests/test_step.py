@@ -49,7 +49,7 @@ def one_step(model, batch, rows, micro, ctx):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [{k: v[i:i + micro] for k, v in batch.items()} for i in range(*rows, micro)]
     timers = {name: utils.Timer(ctx.device) for name in ("forward", "backward")}
-    stats = train_llm.train_step(model, batches, ctx, timers)
+    stats = train_llm.train_step(model, batches, ctx, timers, train_llm.sequence_losses)
     optimizer.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()]), stats["loss"]
 
