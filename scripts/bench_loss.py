@@ -89,7 +89,7 @@ def main():
             found = json.loads(out.stdout)
             peaks[kind] = found["peak_mib"]
             assert found["loss_diff"] < 1e-3, found
-            print(f"{dtype:9} {kind:20} {found['peak_mib']:9.0f} {found['seconds']:8.2f} "
+            print(f"{dtype:9} {kind:20} {found['peak_mib']:9.0f} {found['seconds']:8.4f} "
                   f"{found['peak_mib'] / found['logits_mib']:9.2f}")
         ratio = peaks["utils.cross_entropy"] / peaks["F.cross_entropy"]
         print(f"{dtype:9} {'ratio':20} {ratio:9.2f}")

@@ -1,7 +1,7 @@
 """Everything the kit promises on a GPU, checked and measured in one command: one table, and the
 same rows as JSON.
 
-    python scripts/gpu_check.py                        # a GPU machine: 7 minutes (estimated)
+    python scripts/gpu_check.py                        # a GPU machine: about 8 minutes (an H100)
     python scripts/gpu_check.py --out $OUT/gpu.json --profile-steps 30,31   # and a profile
     python scripts/gpu_check.py --smoke                # the same code paths on the CPU, tiny
 
