@@ -86,7 +86,7 @@ def main():
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizer, lr_scheduler, extra, train_loader, args, ctx)
-    run.begin_training(args, ctx, train_loader)  # forget what a killed run did after it
+    run.begin_training(args, ctx, train_loader, extra)  # forget what a killed run did after it
     losses = compile_model(model, args)  # --compile: the model, in place, and the loss
 
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
@@ -397,7 +397,7 @@ def load_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ct
         else:
             utils.unwrap(model).load_state_dict(ckpt.load("model.pt"))
             optimizer.load_state_dict(ckpt.load("optimizer.pt"))
-            states = {name: ckpt.load_extra(name) for name in extra}  # (rank 0's, on every rank)
+            states = ckpt.load_extras(extra)  # (rank 0's, on every rank)
         for name, obj in extra.items():
             obj.load_state_dict(states[name])
         lr_scheduler.load_state_dict(ckpt.load("lr_scheduler.pt"))

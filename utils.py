@@ -26,6 +26,7 @@ import fcntl
 import gc
 import glob
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -234,11 +235,17 @@ class Run:
         self.stepped = False  # this start has trained a step (signals then wait for its end)
         self.moved = None  # (old, new) directory of the kit, if it moved since the last start
 
-    def begin_training(self, args, ctx, loader):
+    def begin_training(self, args, ctx, loader, extra=()):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
         debris of unfinished saves), so that metrics.jsonl holds every step once, and record
         this start in args.json. From here on a failure keeps the directory. --resume-from
-        lets later checkpoints go: every rank reads its data first (a changed shard fails)."""
+        lets later checkpoints go: every rank reads its data first (a changed shard fails).
+        ``extra`` (train_llm.py's) may not take a name of a file the kit writes."""
+        taken = [name for name in extra if name in ("model", "optimizer", "lr_scheduler", "dcp",
+                                                    "state") or name.startswith("rng-rank")]
+        if taken:
+            sys.exit(f"extra[{taken[0]!r}]: a checkpoint's {taken[0]}.pt (or {taken[0]}/) is "
+                     "the kit's own; give your training state another name.")
         world_size = ctx.world_size
         if args.resume_from:
             failed = None
@@ -251,6 +258,8 @@ class Run:
             if failed:
                 raise failed
         if self.rank == 0:
+            if not self.state["checkpoint"]:  # a start from scratch: what was logged is not its
+                set_aside(self.dir / "metrics.jsonl")
             discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
             record_args(self.dir / "args.json", args, world_size)
             if args.resume_from:  # state.json must not name a checkpoint just discarded
@@ -1890,6 +1899,19 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
         LOGGER.info(f"Data of {saved_world} rank(s) moved to {ctx.world_size}: no document "
                     f"skipped or repeated; {report}")
 
+    def load_extras(self, names):
+        """The states of your own saved as NAME.pt (extra in train_llm.py). One the checkpoint
+        holds that ``names`` lacks (the script that saved it had it) is named in a warning."""
+        kit = ("model.pt", "optimizer.pt", "lr_scheduler.pt")
+        dropped = sorted(p.stem for p in self.dir.glob("*.pt")
+                         if p.name not in kit and not p.name.startswith("rng-rank") and
+                         p.stem not in names)
+        if dropped:
+            LOGGER.warning(f"{self.dir} holds training state that this script does not add "
+                           f"to extra: {', '.join(f'{n}.pt' for n in dropped)}. Resuming "
+                           "without it; the next checkpoints will not hold it.")
+        return {name: self.load_extra(name) for name in names}
+
     def load_extra(self, name):
         """The state of your own saved as NAME.pt (extra in train_llm.py), refused by name if
         the checkpoint was saved before it was added."""
@@ -2237,6 +2259,16 @@ def discard_after(exp_dir, step, run_id=None):
         lines.pop()  # "" after the last newline, or the torn line of a killed write
         write_atomic(metrics, "".join(line + "\n" for line in lines
                                       if not _logged_after(line, step)))
+
+
+def set_aside(path):
+    """Move a file that a start from scratch would append to (a user's, an earlier run's)
+    to PATH.N (the first free N), and say where: nothing it holds is cut."""
+    if path.exists() and path.stat().st_size:
+        n = next(n for n in itertools.count(1) if not path.with_name(f"{path.name}.{n}").exists())
+        path.rename(path.with_name(f"{path.name}.{n}"))
+        LOGGER.warning(f"{path} was there before this run started from scratch: moved to "
+                       f"{path.name}.{n}")
 
 
 def _logged_after(line, step):

@@ -220,3 +220,17 @@ def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, 
     result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10))
     refused(result, "holds what a finished run left", "Nothing was changed")
     assert snapshot(exp) == before
+
+
+def test_a_start_from_scratch_moves_a_metrics_file_it_did_not_write_aside(tmp_path, tiny_model):
+    """A metrics.jsonl in the directory before the run's first start (the user's, or an
+    earlier run's whose checkpoints are gone): every line of it kept, in metrics.jsonl.1."""
+    exp = tmp_path / "mine"
+    exp.mkdir()
+    theirs = '{"step": 3, "acc": 0.9}\n{"step": 1, "loss": 5.0}\n'
+    (exp / "metrics.jsonl").write_text(theirs)
+    result = train(train_args(tmp_path, tiny_model, name="mine", max_steps=2, log_freq=1))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (exp / "metrics.jsonl.1").read_text() == theirs
+    assert "moved to metrics.jsonl.1" in result.stderr
+    assert [line["step"] for line in metrics(exp)] == [1, 2]

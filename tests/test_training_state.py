@@ -78,3 +78,26 @@ def test_a_checkpoint_without_the_state_is_refused_by_name(project, tiny_model, 
     assert first.returncode == 0, first.stderr[-2000:]
     refused(run(project, args_for(tmp_path, tiny_model, "r", max_steps=4)), "holds no ema.pt",
             "'ema'", "Nothing was changed")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_state_this_script_lacks_is_resumed_saying_so(project, tiny_model,
+                                                                         tmp_path):
+    """A run saved with an EMA, resumed by the plain script: the EMA's file is named in a
+    warning, never dropped without a word."""
+    first = run(project, args_for(tmp_path, tiny_model, "r", max_steps=2))
+    assert first.returncode == 0, first.stderr[-2000:]
+    plain = copy_kit(tmp_path / "plain", script="train_llm.py")
+    resumed = run(plain, args_for(tmp_path, tiny_model, "r", max_steps=4))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "does not add to extra: ema.pt" in resumed.stderr, resumed.stderr[-2000:]
+
+
+def test_training_state_named_like_a_file_of_the_kit_is_refused_at_start(tiny_model, tmp_path):
+    """extra["model"] would overwrite every checkpoint's model.pt with the EMA: refused
+    before the first step, naming it."""
+    script = copy_kit(tmp_path / "kit", script="train_llm.py", edits=[
+        ("    extra = {}\n", EMA.replace('extra["ema"]', 'extra["model"]')),
+        ("import data\n", IMPORT + "\nimport data\n")])
+    refused(run(script, args_for(tmp_path, tiny_model, "r")), "extra['model']", "the kit's own")
+    assert not (tmp_path / "r" / "checkpoints").exists()
