@@ -25,6 +25,7 @@ import errno
 import fcntl
 import gc
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
@@ -297,6 +298,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         die_with_parent()
     config = {name: getattr(args, name) for name in fingerprint}
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
+    config["file_digests"] = file_digests(args)  # their content, beside their paths
     state, why = run_state(exp_dir, args.resume_from)
     if state is None:
         state = fresh_state(args, exp_dir, config)
@@ -448,6 +450,14 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
             config[name] = value
         if config.get(name) == value:
             continue
+        if name == "file_digests":
+            changed = sorted(k for k in value.keys() & config[name].keys()
+                             if value[k] != config[name][k])
+            if not changed:
+                continue
+            sys.exit(f"{', '.join(changed)} changed since {when} (the same path, other "
+                     "content). Resuming would train on other token ids or another model: put "
+                     "the old files back, or start a new --experiment-name.")
         if name == "global_batch":
             sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
                      f"{value} sequences when {when} and is {config[name]} now "
@@ -463,6 +473,21 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
                      " (Nothing is at the old place now: if its files moved, link the old "
                      "place to the new one, `ln -s NEW OLD`, and pass the old value.)"
                      if gone else ""))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "added_tokens.json", "chat_template.jinja")
+
+
+def file_digests(args):
+    """The sha256 of each file of a local --tokenizer and of --model-name's config.json, by
+    path: the fingerprint holds paths, and a file edited in place keeps its path. (A model's
+    weights are not: a resume reads its own.)"""
+    wanted = [Path(args.tokenizer, name) for name in TOKENIZER_FILES] if args.tokenizer else []
+    wanted += [Path(args.model_name, "config.json")] if args.model_name else []
+    return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in wanted
+            if path.is_file()}
 
 
 def export_again_if_stale(exp_dir, checkpoint):

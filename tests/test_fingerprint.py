@@ -3,6 +3,7 @@ or recorded otherwise in the checkpoint, is refused by name before anything chan
 saved config lacks counts as its default; paths that name the same files go on."""
 
 import json
+import shutil
 
 import pytest
 from helpers import (
@@ -74,3 +75,31 @@ def test_a_run_of_an_earlier_version_with_relative_paths_still_resumes(four_step
     assert global_step(exp) == 5
     assert json.loads((exp / "state.json").read_text())["config"]["tokenizer"] == \
         "assets/tokenizer"
+
+
+@pytest.mark.parametrize("edited", [
+    "tokenizer.json",
+    pytest.param("config.json", marks=pytest.mark.slow),
+])
+def test_a_tokenizer_or_model_config_edited_in_place_is_refused_by_name(tmp_path, tiny_model,
+                                                                          edited):
+    """The same paths, other content (token ids swapped in tokenizer.json, an activation
+    changed in config.json): resuming would train another run, so it is refused by name."""
+    tokenizer, model = tmp_path / "tokenizer", tmp_path / "model"
+    shutil.copytree(ROOT / "assets/tokenizer", tokenizer)
+    shutil.copytree(tiny_model, model)
+    args = train_args(tmp_path, model, name="k", max_steps=2, ckpt_freq=2, tokenizer=tokenizer)
+    assert train(args).returncode == 0
+    path = (tokenizer if edited == "tokenizer.json" else model) / edited
+    saved = json.loads(path.read_text())
+    if edited == "tokenizer.json":
+        vocab = saved["model"]["vocab"]
+        (a, i), (b, j) = list(vocab.items())[300:302]
+        vocab[a], vocab[b] = j, i
+    else:
+        saved["activation_function"] = "relu"
+    path.write_text(json.dumps(saved))
+    before = snapshot(tmp_path / "k")
+    again = train_args(tmp_path, model, name="k", max_steps=4, ckpt_freq=2, tokenizer=tokenizer)
+    refused(train(again), f"{path} changed since", "put the old files back")
+    assert snapshot(tmp_path / "k") == before
