@@ -95,7 +95,7 @@ def main():
     save = functools.partial(save_checkpoint, run, model, optimizer, lr_scheduler, extra,
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
-                                 tokenizer, args, utils.prompt_format(state["config"]))
+                                 tokenizer, args, utils.prompt_format(state["config"]), stop)
     timers = {n: utils.Timer(ctx.device, n) for n in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
@@ -143,8 +143,9 @@ def main():
                 metrics |= speed_metrics(timers, stats, (step - last_log_step) * tokens_per_step,
                                          flops_per_token, ctx)
                 last_log_step = step
-            if step % args.val_freq == 0 or step == args.max_steps or stats["stop"]:
+            if step % args.val_freq == 0 or step == args.max_steps:
                 metrics |= validate()
+                stats["stop"] = stats["stop"] or metrics.pop("stopped", False)  # a signal in it
             log.write(metrics)
             if step % args.ckpt_freq == 0 or step == args.max_steps or stats["stop"]:
                 save()
@@ -367,18 +368,11 @@ def sequences(urls, tokenizer, args, rank, world_size, train):
 def validation_batches(args, tokenizer, domains, rank):
     """The validation batches, read once and kept: the same ones whatever the world size
     (each rank scores every world_size-th). With domains, --val-batches of each, tagged."""
-    val_sets = data.find_domains(args.val_dataset, like=domains) if domains else {}
-    batches = []
-    for i, urls in enumerate(val_sets.values() if domains else [args.val_dataset]):
-        pipeline = build_pipeline(urls, tokenizer, args, 0, 1, train=False)
-        for batch in data.Take(pipeline, args.val_batches):
-            batches.append(batch | ({"domain": torch.full((len(batch["input_ids"]),), i)}
-                                    if domains else {}))
-        pipeline.close()
+    sets = data.find_domains(args.val_dataset, like=domains) if domains else {"": args.val_dataset}
+    pipelines = [build_pipeline(urls, tokenizer, args, 0, 1, train=False) for urls in sets.values()]
     # Fewer than asked for: a warning (none: a refusal); so are shards shared with --dataset.
-    data.check_validation(batches, args.val_batches * max(1, len(domains)), args.dataset,
-                          args.val_dataset, warn=rank == 0)
-    return batches
+    return data.validation_set(pipelines, args.val_batches, args.dataset, args.val_dataset,
+                               tagged=bool(domains), warn=rank == 0)
 
 
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
@@ -429,12 +423,11 @@ def train_step(model, batches, ctx, timers, losses, n_domains=0):
     """Forward and backward over one step's micro-batches, whose gradients add up.
 
     The gradient is that of the step's mean loss per scored token over all micro-batches and
-    ranks, however the batch is cut: each micro-batch's summed loss is divided by the step's
-    count of scored tokens (one all-reduce), times the world size, which DDP's averaging
-    divides out (a mean per micro-batch would weigh one with few answer tokens like one with
-    many). ``losses``: sequence_losses or its compiled form. Returns this rank's numbers as
-    tensors: "loss" (its share of the mean) and, with domains, "domain_loss", "domain_tokens",
-    "domain_sequences" per domain."""
+    ranks, however the batch is cut: each micro-batch's summed loss (``losses``) is divided
+    by the step's count of scored tokens (one all-reduce), times the world size, which DDP's
+    averaging divides out (a mean per micro-batch would weigh one with few answer tokens like
+    one with many). Returns this rank's numbers as tensors: "loss" (its share of the mean)
+    and, with domains, "domain_loss", "domain_tokens", "domain_sequences" per domain."""
     scored = torch.full((), float(sum(scored_tokens(batch) for batch in batches)),
                         device=ctx.device)  # counted on the CPU, filled in on the device
     if ctx.distributed:
@@ -542,8 +535,11 @@ def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
             "mfu": mfu, **utils.memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
 
 
-def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format=None):
-    val_loss, per_domain = evaluate(model, batches, ctx, len(domains))
+def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format, stop):
+    val_loss, per_domain = evaluate(model, batches, ctx, len(domains), stop)
+    if val_loss is None:  # a signal: its checkpoint comes first (torchrun kills 30 s after it)
+        LOGGER.warning("Validation cut short by the signal: saving now")
+        return {"stopped": True}
     metrics = {"val_loss": val_loss,
                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
     if args.sample_tokens:  # remove these two lines and the sample is gone
@@ -568,14 +564,18 @@ def sample(model, tokenizer, args, ctx, prompt_format):
 
 
 @torch.no_grad()
-def evaluate(model, batches, ctx, n_domains=0):
+def evaluate(model, batches, ctx, n_domains=0, stop=None):
     """Mean loss per scored token of the validation batches, and of each domain's (no
     dropout). Rank r scores batches r, r + W, ...; a rank short of one scores batch 0 again
-    without counting it (every rank runs as many forwards: under FSDP each is a collective)."""
+    without counting it (every rank runs as many forwards: under FSDP each is a collective);
+    (None, None) once ``stop`` (a signal) is set on any rank, agreed every 8th batch."""
     model.eval()
     total = torch.zeros(2, 1 + n_domains, device=ctx.device)  # loss sums, tokens; all, domains
     world_size = ctx.world_size
     for i in range(ctx.rank, -(-len(batches) // world_size) * world_size, world_size):
+        if stop is not None and i // world_size % 8 == 0 and utils.any_rank(stop.is_set(), ctx):
+            model.train()
+            return None, None
         batch = batches[i % len(batches)]
         with ctx.autocast():
             sums, counts = sequence_losses(*forward(model, batch, ctx.device))

@@ -1178,6 +1178,11 @@ def all_ranks(flag, group=None):
     return bool(flag.item())
 
 
+def any_rank(flag, ctx):
+    """True on every rank iff ``flag`` is true on some rank (alone: ``flag``)."""
+    return not all_ranks(not flag, ctx.cpu_group) if ctx.distributed else bool(flag)
+
+
 def all_reduce_sum(stats, world_size):
     """{name: tensor} -> {name: number, or list for a vector}, each summed over all ranks in a
     single all-reduce (one collective, however many numbers a step logs)."""

@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     ENV,
     ROOT,
+    copy_kit,
     jsonl,
     metrics,
     refused,
@@ -223,3 +224,23 @@ def test_a_signal_while_a_failed_rank_exits_ends_it_without_a_traceback():
                             text=True, timeout=60)
     assert result.returncode != 0 and "another rank failed" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_signal_during_validation_ends_it_at_once_and_saves(tmp_path, tiny_model):
+    """SIGTERM as step 3's validation starts (sent by the script itself, so it lands there):
+    no more validation batches, no step 4; step 3 is saved and the run exits 0, to resume."""
+    script = copy_kit(tmp_path / "kit", script="train_llm.py", edits=[(
+        "    val_loss, per_domain = evaluate(",
+        "    os.kill(os.getpid(), __import__('signal').SIGTERM)\n"
+        "    val_loss, per_domain = evaluate(")])
+    args = train_args(tmp_path, tiny_model, name="r", max_steps=10, val_freq=3, ckpt_freq=100,
+                      log_freq=1, tokenizer=ROOT / "assets/tokenizer",
+                      dataset=f"{ROOT}/data/sample/*/train-*.jsonl",
+                      val_dataset=f"{ROOT}/data/sample/*/val-*.jsonl")
+    result = subprocess.run([sys.executable, str(script), *args], cwd=script.parent, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Validation cut short by the signal" in result.stderr
+    logged = metrics(tmp_path / "r")
+    assert [line["step"] for line in logged] == [1, 2, 3] and "val_loss" not in logged[-1]
+    assert (tmp_path / "r/checkpoints/step-000003").is_dir()
