@@ -488,8 +488,10 @@ class Files(Stage):
         if self.epochs is None:
             rank, world = self.config["rank"], self.config["world_size"]
             whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
-            raise DataError(f"{whose}{len(self.urls)} shard(s) hold no records, so an endless "
-                            f"stream would wait forever ({self.urls[:3]}...)")
+            held = (f"hold no records but the {self.skipped} skipped as bad "
+                    "(--skip-bad-records)" if self.skipped else "hold no records")
+            raise DataError(f"{whose}{len(self.urls)} shard(s) {held}, so an endless stream "
+                            f"would wait forever ({self.urls[:3]}...)")
         raise StopIteration
 
     def _next_split(self, i):

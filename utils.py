@@ -1423,6 +1423,10 @@ def load_trained(path, script=None, weights="model"):
 
 def checkpoint_model(ckpt_dir, script=None, weights="model"):
     """(the model of a checkpoint directory, with its weights; the run's config)."""
+    if weights in ("optimizer", "lr_scheduler") or weights.startswith("rng-rank"):
+        raise OSError(f"{weights}.pt is the {weights.replace('_', ' ')} state of the run, not a "
+                      "model's weights: pass --weights model, or the name of training state "
+                      "of your own that holds weights (extra, e.g. ema)")
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
     if config.get("init_from") and not script:  # the architecture it started from

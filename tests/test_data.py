@@ -422,7 +422,8 @@ def test_files_empty_shards_are_skipped_not_fatal(tmp_path):
     blank.write_text("\n\n")
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
-    with pytest.raises(ValueError, match=r"2 shard\(s\) hold no records"):
+    with pytest.raises(ValueError, match=r"2 shard\(s\) hold no records but the 1 skipped "
+                       r"as bad \(--skip-bad-records\)"):
         next(Files([str(blank), str(bad)], repeat=True, skip_bad_records=True))
 
 
