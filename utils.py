@@ -318,6 +318,10 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                             f"{state['checkpoint']} was saved", world_size)
         run.state = state  # (a failed re-export below is said to keep the checkpoints)
         if is_done(args, exp_dir, state, why):
+            if args.resume_from:  # a rollback that trains nothing changes nothing (hf/ too)
+                sys.exit(f"--resume-from {args.resume_from} with --max-steps {args.max_steps} "
+                         "trains nothing: nothing was changed. Raise --max-steps to train on "
+                         "from it.")
             if rank == 0:
                 export_again_if_stale(exp_dir, state["checkpoint"])
             return None

@@ -234,3 +234,15 @@ def test_a_start_from_scratch_moves_a_metrics_file_it_did_not_write_aside(tmp_pa
     assert (exp / "metrics.jsonl.1").read_text() == theirs
     assert "moved to metrics.jsonl.1" in result.stderr
     assert [line["step"] for line in metrics(exp)] == [1, 2]
+
+
+def test_a_rollback_that_trains_nothing_changes_nothing(four_steps, tmp_path, tiny_model):
+    """--resume-from step 2 with --max-steps 2 on a finished 4-step run: refused, and hf/
+    stays the export of step 4 (not step 2's weights beside a state at 4)."""
+    exp = copy_run(four_steps, tmp_path)
+    before = snapshot(exp)
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=2, ckpt_freq=2,
+                              val_freq=2, keep_checkpoints=0, sample_tokens=0,
+                              resume_from="step-000002"))
+    refused(result, "--resume-from step-000002 with --max-steps 2 trains nothing")
+    assert snapshot(exp) == before
