@@ -2179,17 +2179,18 @@ def domain_weights(domains, given=None):
     return [w / sum(weights) for w in weights]  # (summed in domain order: the same bits)
 
 
-def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True):
+def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, asked=None):
     """The first ``n`` batches of each pipeline, which it closes; ``tagged``: each batch holds
     its pipeline's index as "domain". Refuses a set of no batch; warns (``warn``: on one rank)
-    about fewer than asked for, and about shards shared with the training data."""
+    about fewer than ``asked`` (None: a default, no warning), and about shards shared with
+    the training data."""
     batches = []
     for i, pipeline in enumerate(pipelines):
         for batch in Take(pipeline, n):
             tag = {"domain": torch.full((len(batch["input_ids"]),), i)} if tagged else {}
             batches.append(batch | tag)
         pipeline.close()
-    check_validation(batches, n * len(pipelines), train_spec, val_spec, warn)
+    check_validation(batches, (asked or 0) * len(pipelines), train_spec, val_spec, warn)
     return batches
 
 

@@ -371,8 +371,8 @@ def validation_batches(args, tokenizer, domains, rank):
     sets = data.find_domains(args.val_dataset, like=domains) if domains else {"": args.val_dataset}
     pipelines = [build_pipeline(urls, tokenizer, args, 0, 1, train=False) for urls in sets.values()]
     # Fewer than asked for: a warning (none: a refusal); so are shards shared with --dataset.
-    return data.validation_set(pipelines, args.val_batches, args.dataset, args.val_dataset,
-                               tagged=bool(domains), warn=rank == 0)
+    return data.validation_set(pipelines, args.val_batches or 16, args.dataset, args.val_dataset,
+                               tagged=bool(domains), warn=rank == 0, asked=args.val_batches)
 
 
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
@@ -664,7 +664,7 @@ def get_parser():
     add = parser.add_argument_group("logging, validation and checkpoints").add_argument
     add("--log-freq", type=at_least(1), default=10, help="log speed and MFU every N steps")
     add("--val-freq", type=at_least(1), default=200, help="validate every N steps")
-    add("--val-batches", type=at_least(1), default=16, help="batches to validate on")
+    add("--val-batches", type=at_least(1), help="batches to validate on (default: 16, or all)")
     add("--ckpt-freq", type=at_least(1), default=200, help="save a checkpoint every N steps")
     add("--keep-checkpoints", type=at_least(0), default=2, help="newest ones to keep (0: all)")
     add("--checkpoint-writer", choices=["auto", "background", "sync"], default="auto",

@@ -169,3 +169,19 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
     result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(straight)],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+def test_a_mixed_run_on_the_shipped_data_with_the_default_validation_warns_of_nothing(
+        tmp_path, tiny_model):
+    """The default --val-batches takes what each domain's validation shards hold, quietly;
+    the same number given by hand still warns that the set is smaller."""
+    args = [a for a in train_args(tmp_path, tiny_model, name="m", max_steps=1, mix="natural",
+                                  batch_size=64, dataset=f"{ROOT}/data/sample/*/train-*.jsonl",
+                                  val_dataset=f"{ROOT}/data/sample/*/val-*.jsonl")
+            if not a.startswith("--val-batches")]
+    result = train(args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "holds only" not in result.stderr
+    asked = train([*args, "--val-batches=16", "--experiment-name=m2"])
+    assert "holds only" in asked.stderr

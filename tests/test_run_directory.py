@@ -236,6 +236,7 @@ def test_a_start_from_scratch_moves_a_metrics_file_it_did_not_write_aside(tmp_pa
     assert [line["step"] for line in metrics(exp)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_rollback_that_trains_nothing_changes_nothing(four_steps, tmp_path, tiny_model):
     """--resume-from step 2 with --max-steps 2 on a finished 4-step run: refused, and hf/
     stays the export of step 4 (not step 2's weights beside a state at 4)."""
