@@ -242,8 +242,8 @@ class Run:
         this start in args.json. From here on a failure keeps the directory. --resume-from
         lets later checkpoints go: every rank reads its data first (a changed shard fails).
         ``extra`` (train_llm.py's) may not take a name of a file the kit writes."""
-        taken = [name for name in extra if name in ("model", "optimizer", "lr_scheduler", "dcp",
-                                                    "state") or name.startswith("rng-rank")]
+        taken = [name for name in extra if name in (*KIT_STATES, "dcp", "state") or
+                 name.startswith("rng-rank")]
         if taken:
             sys.exit(f"extra[{taken[0]!r}]: a checkpoint's {taken[0]}.pt (or {taken[0]}/) is "
                      "the kit's own; give your training state another name.")
@@ -1427,7 +1427,7 @@ def load_trained(path, script=None, weights="model"):
 
 def checkpoint_model(ckpt_dir, script=None, weights="model"):
     """(the model of a checkpoint directory, with its weights; the run's config)."""
-    if weights in ("optimizer", "lr_scheduler") or weights.startswith("rng-rank"):
+    if weights in KIT_STATES[1:] or weights.startswith("rng-rank"):
         raise OSError(f"{weights}.pt is the {weights.replace('_', ' ')} state of the run, not a "
                       "model's weights: pass --weights model, or the name of training state "
                       "of your own that holds weights (extra, e.g. ema)")
@@ -1850,6 +1850,7 @@ def _step_dirs(exp_dir):
 
 # The per-rank files of a checkpoint (DESIGN.md section 3).
 RNG_FILE, LOADER_FILE = "rng-rank{}.pt", "loader-rank{}.json"
+KIT_STATES = ("model", "optimizer", "lr_scheduler")  # NAME.pt in a checkpoint (not FSDP's)
 
 
 def checkpoint_writer(mode, ctx):
@@ -1940,10 +1941,8 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
     def load_extras(self, names):
         """The states of your own saved as NAME.pt (extra in train_llm.py). One the checkpoint
         holds that ``names`` lacks (the script that saved it had it) is named in a warning."""
-        kit = ("model.pt", "optimizer.pt", "lr_scheduler.pt")
-        dropped = sorted(p.stem for p in self.dir.glob("*.pt")
-                         if p.name not in kit and not p.name.startswith("rng-rank") and
-                         p.stem not in names)
+        dropped = sorted(p.stem for p in self.dir.glob("*.pt") if p.stem not in
+                         (*KIT_STATES, *names) and not p.name.startswith("rng-rank"))
         if dropped:
             LOGGER.warning(f"{self.dir} holds training state that this script does not add "
                            f"to extra: {', '.join(f'{n}.pt' for n in dropped)}. Resuming "
