@@ -2149,13 +2149,14 @@ def find_domains(pattern, like=None):
     if not rest:
         raise DataError(f"--mix/--odm need domains as directories: a --dataset like "
                         f"root/*/shards, not {pattern!r}")
-    names = sorted(p.name for p in Path(root).iterdir() if p.is_dir() and any(p.glob(rest)))
+    base = Path(root if os.path.isdir(root) else next(iter(glob.glob(root)), root))  # kit[[]1]
+    names = sorted(p.name for p in base.iterdir() if p.is_dir() and any(p.glob(rest)))
     if not names:
         raise DataError(f"--mix/--odm: no directory of {root}/ holds files matching {rest!r}, "
                         f"so {pattern!r} has no domains to mix.")
     if like is not None and names != list(like):
         raise DataError(f"--val-dataset has the domains {names}, --dataset {list(like)}")
-    return {name: f"{root}/{name}/{rest}" for name in names}
+    return {name: f"{root}/{glob.escape(name)}/{rest}" for name in names}
 
 
 def natural_sizes(pattern):

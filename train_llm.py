@@ -14,11 +14,15 @@ import functools
 import math
 import os
 import random
+import signal
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
 # Waiting CPU threads sleep, not spin: no collapse beside a busy process (docs/benchmarks.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # (read as torch loads: before its import)
+if __name__ == "__main__":  # Ctrl-C while the imports below load: one line, not a traceback
+    signal.signal(signal.SIGINT, lambda *_: sys.exit("Stopped while starting: nothing written."))
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -86,10 +90,10 @@ def main():
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizer, lr_scheduler, extra, train_loader, args, ctx)
+    log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     run.begin_training(args, ctx, train_loader, extra)  # forget what a killed run did after it
     losses = compile_model(model, args)  # --compile: the model, in place, and the loss
 
-    log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     stop = utils.stop_on_signals()  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
     save = functools.partial(save_checkpoint, run, model, optimizer, lr_scheduler, extra,
@@ -176,7 +180,6 @@ def parse_args(argv=None):
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
     if args.sample_prompt is None:
         args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
-    # Local paths made absolute; shipped files a copy lacks; flags against each other.
     utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT)
     return args
 
@@ -370,7 +373,6 @@ def validation_batches(args, tokenizer, domains, rank):
     (each rank scores every world_size-th). With domains, --val-batches of each, tagged."""
     sets = data.find_domains(args.val_dataset, like=domains) if domains else {"": args.val_dataset}
     pipelines = [build_pipeline(urls, tokenizer, args, 0, 1, train=False) for urls in sets.values()]
-    # Fewer than asked for: a warning (none: a refusal); so are shards shared with --dataset.
     return data.validation_set(pipelines, args.val_batches or 16, args.dataset, args.val_dataset,
                                tagged=bool(domains), warn=rank == 0, asked=args.val_batches)
 
@@ -615,8 +617,7 @@ def get_parser():
     add("--activation-checkpointing", action="store_true",
         help="recompute each block's activations in backward: less memory, ~1/3 more compute")
     add("--gc-freq", type=at_least(1), default=50, help="run Python's GC every N steps")
-    add("--debug", action="store_true",
-        help="show the traceback of an expected failure (bad data, a missing file, a full disk)")
+    add("--debug", action="store_true", help="show the traceback of an expected failure")
 
     add = parser.add_argument_group("data").add_argument
     add("-d", "--dataset", default=None,
@@ -680,8 +681,7 @@ def get_parser():
         help="write a torch.profiler trace of these steps into SAVE_DIR/NAME/profile")
 
     add = parser.add_argument_group("distributed (under torchrun)").add_argument
-    add("--fsdp", action="store_true",
-        help="shard weights, gradients and optimizer state across ranks (FSDP2)")
+    add("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")
     add("--dist-timeout", type=finite(0, above=True), default=120,
         help="seconds a collective may wait for the other ranks after the first step")
 

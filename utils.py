@@ -164,7 +164,7 @@ def check_args(parser, args, local_paths, shipped):
     are, so that it resumes, and generate.py finds its tokenizer, from any directory."""
     missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
-               and not _matches(getattr(args, name))]
+               and _local(getattr(args, name)) is None]
     if missing:
         flags = ", ".join(f"--{name.replace('_', '-')} ({getattr(args, name)})" for name in missing)
         sys.exit(f"These flags name files next to the script that are not there: {flags}. The "
@@ -213,11 +213,6 @@ def _physical_memory():
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def _matches(value):
-    """Whether a local path, glob or {a,b} pattern names any file."""
-    return any(os.path.exists(v) or glob.glob(v) for v in braceexpand.braceexpand(value))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,7 +465,7 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
                      "and an elastic torchrun restarts the same command), or pick --batch-size "
                      "and --grad-accum so that it stays the same, or start a new "
                      "--experiment-name.")
-        gone = isinstance(value, str) and os.path.isabs(value) and not _matches(value)
+        gone = isinstance(value, str) and os.path.isabs(value) and _local(value) is None
         sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
                  f"{config.get(name)!r} now. Resuming would train a different run: pass "
                  "the old value, or start a new --experiment-name." + (
@@ -565,10 +560,8 @@ class MetricsLog:
     and only here."""
 
     def __init__(self, exp_dir, args, state, rank):
-        # Unbuffered, so that a failed write (a full disk) is cut off at once (write).
-        self.file = open(exp_dir / "metrics.jsonl", "ab", buffering=0) if rank == 0 else None
-        self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
-                                  desc="train", disable=rank != 0)
+        # Opened at the first line, once begin_training has set an old file aside.
+        self.path, self.file = exp_dir / "metrics.jsonl" if rank == 0 else None, None
         self.wandb, self.unsent = None, []
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
@@ -580,14 +573,18 @@ class MetricsLog:
                     project=args.wandb_project, name=args.experiment_name,
                     id=state["wandb_run_id"], resume="allow", dir=exp_dir, config=vars(args),
                     mode=args.wandb).id
-            except wandb.errors.Error as e:  # no login, no network: before any step is lost
-                sys.exit(f"--wandb {args.wandb}: Weights & Biases did not start ({e}). Log in "
-                         "(`wandb login`), or train with --wandb offline and upload the run "
-                         "later with `wandb sync`.")
+            except (wandb.errors.Error, ValueError) as e:  # no login, no network, bad WANDB_*
+                sys.exit(f"--wandb {args.wandb}: Weights & Biases did not start ("
+                         f"{' '.join(str(e).split())[:300]}). Check the WANDB_* environment "
+                         "variables; log in (`wandb login`), or train with --wandb offline and "
+                         "upload the run later with `wandb sync`. Nothing was changed.")
             atexit.register(self.send)  # a run that dies (diverged, bad data) sends the rest
+        self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
+                                  desc="train", disable=rank != 0)
 
     def write(self, metrics):
-        if self.file:
+        if self.path:  # unbuffered, so that a failed write (a full disk) is cut off at once
+            self.file = self.file or open(self.path, "ab", buffering=0)
             line, size = (json.dumps(metrics) + "\n").encode(), self.file.tell()
             try:
                 while line:
@@ -1329,11 +1326,25 @@ def check_model(model, tokenizer, args):
 def local_path(value):
     """``value`` as an absolute path if it names local files (a path, a glob or {a,b} pattern
     that matches something), else unchanged (a Hub name, a URL, None)."""
+    return _local(value) or value
+
+
+def _local(value):
+    """The absolute path or pattern of local files that ``value`` names, else None. A pattern's
+    leading directories that exist are escaped: in a kit cloned into kit[1]/, the shipped
+    kit[1]/data/sample/*/ is that directory's, not a glob's "k, i, t or 1"."""
     if not value or "://" in value:
-        return value
-    if any(os.path.exists(v) or glob.glob(v) for v in braceexpand.braceexpand(value)):
-        return os.path.abspath(value) + ("/" if value.endswith("/") else "")
-    return value
+        return None
+    slash = "/" if value.endswith("/") else ""
+    if os.path.exists(value):
+        return os.path.abspath(value) + slash
+    path = head = os.path.abspath(value) + slash
+    while not os.path.isdir(head):
+        head = os.path.dirname(head)
+    for pattern in (glob.escape(head) + path[len(head):], path):
+        if any(glob.glob(v) for v in braceexpand.braceexpand(pattern)):
+            return pattern
+    return None
 
 
 def find_checkpoint(path):

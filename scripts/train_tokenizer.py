@@ -2,7 +2,8 @@
 """Train the kit's default tokenizer and write the tiny GPT-2 config.
 
 1. A byte-level BPE tokenizer (GPT-2 style, vocab 8192) is trained with the
-   `tokenizers` library on the train shards of data/sample (all domains) and
+   `tokenizers` library on the train shards of data/sample (all domains; --data
+   takes what train_llm.py's --dataset takes: files, globs, directories) and
    saved to assets/tokenizer/ so that, offline,
        AutoTokenizer.from_pretrained("assets/tokenizer")
    returns a fast tokenizer with bos == eos == "<|endoftext|>" and a separate
@@ -14,23 +15,27 @@
 
 Both outputs are deterministic: the same data gives byte-identical files.
 Regenerate with (after scripts/make_sample_data.py):
-    python scripts/train_tokenizer.py --data data/sample
+    python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl'
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import data  # noqa: E402
 
 EOS = "<|endoftext|>"  # GPT-2's single document separator, also used as bos
 PAD = "<|pad|>"        # a separate pad token, so padding is never confused with eos
 
 
 def iter_texts(files):
-    for path in files:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                yield json.loads(line)["text"]
+    """The "text" of every record, shard after shard, read as training reads them (JSON Lines,
+    Parquet, text; a bad record stops it naming its shard and line)."""
+    for record in data.Files(files, n_active_shards=1):
+        yield record["text"]
 
 
 def train_tokenizer(files, vocab_size):
@@ -57,7 +62,8 @@ def train_tokenizer(files, vocab_size):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=Path("data/sample"))
+    ap.add_argument("--data", default="data/sample/*/train-*.jsonl",
+                    help="training text: shards, globs, {a,b} patterns or directories")
     ap.add_argument("--out", type=Path, default=Path("assets/tokenizer"))
     ap.add_argument("--config-out", type=Path, default=Path("assets/tiny-gpt2"))
     ap.add_argument("--vocab-size", type=int, default=8192)
@@ -65,9 +71,11 @@ def main():
     args = ap.parse_args()
 
     # Sorted so the training stream, hence the merges, is the same every run.
-    files = sorted(args.data.glob("*/train-*.jsonl"))
-    assert files, f"no train shards under {args.data}; run make_sample_data.py first"
-    tok = train_tokenizer(files, args.vocab_size)
+    try:
+        files = sorted(data.expand_urls(args.data))
+        tok = train_tokenizer(files, args.vocab_size)
+    except (OSError, ValueError) as e:  # no such files, a bad record: one paragraph
+        sys.exit(f"--data {args.data}: {e}")
 
     # Imported late: transformers is slow to import and step 1 does not need it.
     from transformers import (
@@ -118,8 +126,8 @@ def main():
 
     # ---- tokens per byte per domain: a rough "difficulty" hint
     print(f"{'domain':<12}{'bytes':>11}{'tokens':>10}{'tok/byte':>10}")
-    for domain in sorted({f.parent.name for f in files}):
-        texts = list(iter_texts(sorted(args.data.glob(f"{domain}/*.jsonl"))))
+    for domain in sorted({Path(f).parent.name for f in files}):
+        texts = list(iter_texts([f for f in files if Path(f).parent.name == domain]))
         n_bytes = sum(len(t.encode("utf-8")) for t in texts)
         n_tokens = sum(len(enc.ids) for enc in tok.encode_batch(texts))
         print(f"{domain:<12}{n_bytes:>11,}{n_tokens:>10,}{n_tokens / n_bytes:>10.3f}")

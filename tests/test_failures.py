@@ -8,6 +8,7 @@ import json
 import logging
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from helpers import (
@@ -244,3 +245,33 @@ def test_a_signal_during_validation_ends_it_at_once_and_saves(tmp_path, tiny_mod
     logged = metrics(tmp_path / "r")
     assert [line["step"] for line in logged] == [1, 2, 3] and "val_loss" not in logged[-1]
     assert (tmp_path / "r/checkpoints/step-000003").is_dir()
+
+
+def test_ctrl_c_while_the_script_imports_is_one_line(tmp_path):
+    """SIGINT as `import torch` begins (sent by an import hook, so it lands there)."""
+    code = textwrap.dedent(f"""
+        import os, runpy, signal, sys
+
+        class Interrupt:
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    os.kill(os.getpid(), signal.SIGINT)
+
+        sys.meta_path.insert(0, Interrupt())
+        sys.argv = ["train_llm.py", "-e", "x", "--save-dir", {str(tmp_path)!r}]
+        runpy.run_path("train_llm.py", run_name="__main__")""")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    refused(result, "Stopped while starting")
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_bad_wandb_setting_in_the_environment_is_one_paragraph_and_leaves_nothing(
+        tmp_path, tiny_model):
+    args = train_args(tmp_path / "runs", tiny_model, name="w", wandb="offline", max_steps=2)
+    result = subprocess.run([sys.executable, "train_llm.py", *map(str, args)], cwd=ROOT,
+                            env={**ENV, "WANDB_MODE": ""}, capture_output=True, text=True,
+                            timeout=120)
+    refused(result, "Weights & Biases did not start", "WANDB_* environment variables")
+    assert not (tmp_path / "runs").exists()

@@ -18,6 +18,7 @@ from helpers import (
 )
 from transformers import AutoTokenizer
 
+import data
 import train_llm
 import utils
 
@@ -68,3 +69,39 @@ def test_a_local_model_directory_that_does_not_load_is_called_that(tmp_path):
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(OSError, match="a local directory that does not load"):
         utils.pretrained(AutoTokenizer, str(tmp_path), "--model-name")
+
+
+def test_a_kit_in_a_directory_named_like_a_glob_finds_its_data(tmp_path, monkeypatch):
+    """A clone in kit[1]/: the shipped data/sample/*/ and a relative glob typed there are that
+    directory's files (its name escaped), and --mix finds the shipped domains."""
+    kit = tmp_path / "kit[1]"
+    kit.mkdir()
+    for name in ("assets", "data"):
+        (kit / name).symlink_to(ROOT / name)
+    monkeypatch.setattr(train_llm, "KIT", kit)
+    monkeypatch.setattr(train_llm, "DEFAULT_DATA", {task: str(pattern).replace(str(ROOT), str(
+        kit)) for task, pattern in train_llm.DEFAULT_DATA.items()})
+    monkeypatch.setattr(train_llm, "DEFAULT_TOKENIZER", f"{kit}/assets/tokenizer")
+    monkeypatch.chdir(kit)
+    args = train_llm.parse_args(["-e", "x", "--save-dir", str(tmp_path / "out"), "-m",
+                                 f"{kit}/assets/tiny-gpt2", "--val-dataset",
+                                 "data/sample/*/val-*.jsonl"])
+    shipped = sorted((ROOT / "data" / "sample").glob("*/train-*.jsonl"))
+    assert data.expand_urls(args.dataset) == [
+        str(kit / p.relative_to(ROOT)) for p in shipped]
+    assert len(data.expand_urls(args.val_dataset)) > 0
+    assert list(data.find_domains(args.dataset)) == sorted(
+        p.name for p in (ROOT / "data" / "sample").iterdir() if p.is_dir())
+
+
+def test_a_tokenizer_trains_on_a_glob_and_no_match_is_one_paragraph(tmp_path, capsys,
+                                                                   monkeypatch):
+    out = script("train_tokenizer", ["--data", f"{ROOT}/data/sample/prose/train-*.jsonl", "--out",
+                                     tmp_path / "tok", "--config-out", tmp_path / "cfg",
+                                     "--vocab-size", 400], capsys, monkeypatch)
+    assert "tokenizer: 400 tokens" in out and "prose" in out
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "tok")) == 400
+    with pytest.raises(SystemExit, match="--data nope/.*: no files match"):
+        script("train_tokenizer", ["--data", "nope/*.jsonl", "--out", tmp_path / "t2"],
+               capsys, monkeypatch)
+    assert not (tmp_path / "t2").exists()
