@@ -1538,10 +1538,11 @@ def kit_path(name):
 
 def pretrained(cls, name, what, **kwargs):
     """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
-    directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, or
-    more than one /) is not sent to the Hub: it would only wait for the network to fail."""
+    directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, more
+    than one /, or a first part that is a local directory: outputs/mistyped) is not sent to
+    the Hub: it would only wait for the network to fail."""
     if not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~"))
-                                     or name.count("/") > 1):
+                                     or name.count("/") > 1 or os.path.isdir(name.split("/")[0])):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
                                 f"{os.getcwd()})")
     try:

@@ -105,3 +105,17 @@ def test_a_tokenizer_trains_on_a_glob_and_no_match_is_one_paragraph(tmp_path, ca
         script("train_tokenizer", ["--data", "nope/*.jsonl", "--out", tmp_path / "t2"],
                capsys, monkeypatch)
     assert not (tmp_path / "t2").exists()
+
+
+def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_path,
+                                                                           monkeypatch):
+    """outputs/demoo, where outputs/ exists: a path, said at once (the Hub would retry the
+    network for half a minute first); a name whose first part is no directory may be the Hub's."""
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    asked = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **_: asked.append(name))
+    with pytest.raises(FileNotFoundError, match="outputs/demoo: no such file or directory"):
+        utils.load_trained("outputs/demoo")
+    utils.pretrained(AutoTokenizer, "someone/model", "--tokenizer")
+    assert asked == ["someone/model"]
