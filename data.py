@@ -307,13 +307,24 @@ class Shards:
             return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
         return self.retry.run(url, "its size", attempt)
 
-    def open(self, url):
-        params = self.transport_params or {}
+    def open(self, url, at=0):
+        """The shard for bytes, from byte ``at``: one request there on S3 and HTTP, not one
+        from byte 0 and another after a seek (which would also throw away a socket buffer)."""
+        params, http = self.transport_params or {}, url.startswith(("http://", "https://"))
         if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
             params = {"defer_seek": True, **params}
-        if url.startswith(("http://", "https://")):  # a server that never answers: a fault
+        if http:  # a server that never answers: a fault
             params = {"timeout": HTTP_TIMEOUT, **params}
-        return smart_open.open(url, "rb", transport_params=params)
+        if http and at:  # (positions then count from ``at``: such a shard is only read on)
+            params["headers"] = {"Accept-Encoding": "identity", **params.get("headers", {}),
+                                 "Range": f"bytes={at}-"}
+        f = smart_open.open(url, "rb", transport_params=params)
+        if http and at and f.response.status_code != 206:
+            f.close()
+            raise OSError("the server ignored the range request")  # (see _permanent)
+        if at and not http:
+            f.seek(at)
+        return f
 
     def kind(self, url):
         """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
@@ -738,27 +749,27 @@ def _where(slot):
 
 
 # -- Files' readers: generators of (line or record, where the next one starts) -----------------
-# Each reads one split from where its slot is; ``open_shard(url)`` opens a shard for bytes.
+# Each reads one split from where its slot is; ``open_shard(url, at)`` opens a shard at ``at``.
 
 def _read_lines(slot, open_shard):
     """A JSON Lines (or text) split, from the slot's offset: the lines that start before its end."""
     url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
-    with open_shard(url) as f:
+    # The line that crosses into a split belongs to the one before: skip to the first line
+    # start at or after `start` (read from start - 1, in case it is one).
+    skip = "last" not in slot and 0 < offset == slot["start"]
+    # Read from the line read last (checked), the byte before a split's start, or the offset.
+    at = offset - slot["last"][0] if "last" in slot else offset - skip
+    compressed = url.endswith(_COMPRESSED)  # decompression cannot jump: re-read up to `at`
+    with open_shard(url, 0 if compressed else at) as f:
         # A local shard's size goes into the state with the first line, and is checked on
         # every reopen: an offset into a file that has changed since points anywhere.
         size = _check_size(f, slot)
+        if compressed:
+            _read_up_to(f, url, at)
         if "last" in slot:  # (states of older versions have no "last": not checked)
             _check_last_line(f, url, offset, *slot["last"])
-        elif offset and url.endswith(_COMPRESSED):
-            # Decompression cannot jump: re-read this shard (and only this one) to offset.
-            _read_up_to(f, url, offset)
-        elif offset and offset == slot["start"]:
-            # The line that crosses into this split belongs to the one before: skip to the
-            # first line start at or after `start` (from start - 1, in case it is one).
-            f.seek(offset - 1)
+        elif skip:
             offset += len(f.readline()) - 1
-        elif offset:
-            f.seek(offset)
         if end is None:
             end = math.inf
         # The line read last is kept ("_line"): a state holds its length and crc32 ("last"),
@@ -789,14 +800,10 @@ def _changed_row(url, where):
 
 
 def _check_last_line(f, url, offset, length, crc):
-    """Positions ``f`` at ``offset``, having read the ``length`` bytes before it: the line the
-    run read last, which must be what it was (its crc32). A same-size file with other lines (a
-    shuffled copy, a moved line break) would otherwise resume inside a line, and the resume
-    would blame a valid record, or read other documents without a word."""
-    if url.endswith(_COMPRESSED):
-        _read_up_to(f, url, offset - length)
-    else:
-        f.seek(offset - length)  # the same stream as reading on: no extra request
+    """Reads the ``length`` bytes before ``offset`` (``f`` is there): the line the run read
+    last, which must be what it was (its crc32). A same-size file with other lines (a shuffled
+    copy, a moved line break) would otherwise resume inside a line, and the resume would blame
+    a valid record, or read other documents without a word."""
     got = 0
     for chunk in _chunks(f, length):  # (a decompressing read may return less than asked)
         got = zlib.crc32(chunk, got)
