@@ -367,7 +367,6 @@ class Shards:
         return f"row {line}" if "row_group" in slot else f"line {line}"
 
 
-
 class Files(Stage):
     """Shards of JSON Lines (.jsonl/.json/.ndjson, plain or .gz/.zst/.bz2/.xz), JSON arrays (a
     .json file holding one array of records, as Alpaca's) or Parquet, on local disk or anywhere
@@ -375,35 +374,21 @@ class Files(Stage):
     ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or ``"parquet"``
     reads shards whose names don't tell.
 
-    **Slots.** The stream is a round-robin over ``n_active_shards`` *slots*, one record from
-    each in turn, which mixes documents of different splits without a big shuffle buffer. Slot s
-    reads positions s, s + S, s + 2S, ... of the sequence of splits, epoch after epoch (with
-    ``repeat``: forever, or ``epochs`` passes; each epoch's split order reshuffled with
-    ``shuffle_shards``). There are at least S splits per epoch, and a slot that has finished its
-    splits of an epoch waits until the others have too: every document comes exactly once per
-    epoch, and a split of a few long documents does not come round faster than the rest. Fixed
-    sequences let ranks split the work without reading what they throw away: with ``rank=r,
-    world_size=W`` (W dividing S) only the slots s = r (mod W) are read; until its first slot
-    finishes an epoch, that is exactly ``Stride(Files(...), r, W)`` of the one-rank stream (at
-    an epoch's end each rank waits for its own slots only).
+    **Slots.** The stream is a round-robin over ``n_active_shards`` (S) *slots*, one record
+    from each in turn: slot s reads positions s, s + S, ... of the sequence of splits, epoch
+    after epoch (``repeat``: forever, or ``epochs`` passes; reshuffled with ``shuffle_shards``),
+    and waits at an epoch's end for the others, so every document comes once per epoch. With
+    ``rank=r, world_size=W`` only the slots s = r (mod W) are read (DESIGN.md section 4).
 
-    A slot's state says where its next record starts: the byte offset in a JSON Lines shard
-    (resuming is one seek, a range request over the network), the row group and row of a
-    Parquet shard (earlier row groups are not read), the index in a JSON array. A compressed
-    stream cannot seek; it is re-read from its start. A JSON Lines slot also keeps the length
-    and crc32 of the line it read last, checked when it reopens (with a local shard's size): a
-    shard replaced since, even by one of the same size, is refused as changed, not resumed in
-    the middle of a line. A dropped connection or a 5xx answer is retried ``retries`` times
-    with exponential backoff, reopening the shard where the next record starts, so faults
-    never change the stream; a missing shard or a denied access fails at once.
-    ``required_fields`` (e.g. ``["text"]``) makes a record without them a bad record,
-    reported with shard and line like malformed JSON (a Parquet shard without such a column
-    is refused when opened); so does ``check(record)`` raising ValueError, which lets the
-    stages downstream (Tokenize, FormatInstructions) have their needs checked where the
-    shard and line are known. A DataError from ``check`` is no bad record but data the
-    pipeline cannot use (chat records, a tokenizer without a chat template): it stops the
-    stream, naming shard and line, even with ``skip_bad_records``. A ``.txt`` shard is read
-    like the Hugging Face ``text`` loader does: a record ``{"text": line}`` per non-blank line.
+    A slot's state says where its next record starts (a byte offset, a Parquet row group and
+    row, an index in a JSON array; DESIGN.md section 2) and, for JSON Lines, the length and
+    crc32 of the line it read last, checked when it reopens: a shard replaced since, even by
+    one of the same size, is refused as changed. Network faults are retried (_Retry, DESIGN.md
+    section 10) from where the next record starts, so faults never change the stream.
+    ``required_fields`` (e.g. ``["text"]``) or ``check(record)`` raising ValueError make a
+    record a bad record, reported with shard and line (skipped with ``skip_bad_records``); a
+    DataError from ``check`` stops the stream even then (DESIGN.md section 5). A ``.txt``
+    shard gives a record ``{"text": line}`` per non-blank line.
 
     The class keeps the books (slots, epochs, state); what the shards are and how they are cut
     is Shards' (above), reading a split is done by the generators below (_read_lines,
@@ -750,6 +735,9 @@ def _where(slot):
 
 # -- Files' readers: generators of (line or record, where the next one starts) -----------------
 # Each reads one split from where its slot is; ``open_shard(url, at)`` opens a shard at ``at``.
+# A line longer than MAX_LINE_BYTES is refused unread: one without an end would take all memory.
+MAX_LINE_BYTES = 256 << 20
+
 
 def _read_lines(slot, open_shard):
     """A JSON Lines (or text) split, from the slot's offset: the lines that start before its end."""
@@ -774,12 +762,15 @@ def _read_lines(slot, open_shard):
             end = math.inf
         # The line read last is kept ("_line"): a state holds its length and crc32 ("last"),
         # checked when the slot reopens here. The first line also records the size.
-        if offset < end and (text := f.readline()):
+        first = {"size": size}
+        while offset < end and (text := f.readline(MAX_LINE_BYTES + 1)):
+            if len(text) > MAX_LINE_BYTES:  # read no further: it could be endless (/dev/zero)
+                raise DataError(f"shard {url}: the line at byte {offset} is longer than "
+                                f"{MAX_LINE_BYTES:,} bytes (data.MAX_LINE_BYTES): no document "
+                                "is; is it a file without line breaks?")
             offset, line = offset + len(text), line + 1
-            yield text, {"offset": offset, "line": line, "size": size, "_line": text}
-            while offset < end and (text := f.readline()):
-                offset, line = offset + len(text), line + 1
-                yield text, {"offset": offset, "line": line, "_line": text}
+            yield text, {"offset": offset, "line": line, "_line": text, **first}
+            first = {}
 
 
 def _check_size(f, slot):
@@ -904,6 +895,9 @@ def _lines_before(slot, open_shard, required_fields):
 # Seconds to connect to an HTTP server, and to wait for each read from it (requests has no
 # timeout of its own; the cloud SDKs have theirs): a silent server is then a retried fault.
 HTTP_TIMEOUT = (10, 60)
+# Seconds that faults in a row are retried at most, whatever fills them (backoff, reads that
+# time out): a silent server fails in about this time, not in retries x the read timeout.
+RETRY_TIME = 240
 
 # Network faults worth retrying, matched by class name so that data.py need not import every
 # cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
@@ -962,10 +956,11 @@ def _permanent(url, where, error):
 
 class _Retry:
     """Retries of transient faults (see is_transient): at most ``retries`` of them, the n-th
-    after ``delay * 2**n`` seconds (a minute at most). Any other error is raised at once."""
+    after ``delay * 2**n`` seconds (a minute at most), for RETRY_TIME seconds at most from the
+    first of them. Any other error is raised at once."""
 
     def __init__(self, retries, delay):
-        self.retries, self.delay = retries, delay
+        self.retries, self.delay, self.since = retries, delay, 0.0
 
     def after_fault(self, error, url, where, n):
         """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
@@ -974,10 +969,12 @@ class _Retry:
             raise error
         if not is_transient(error):
             raise _permanent(url, where, error) from error
-        if n == self.retries:
-            raise OSError(f"shard {url}: still failing after {self.retries} retries, at "
+        if n == 0:  # the first fault in a row starts the clock
+            self.since = time.monotonic()
+        delay, spent = min(self.delay * 2**n, 60), time.monotonic() - self.since
+        if n == self.retries or spent + delay > RETRY_TIME:
+            raise OSError(f"shard {url}: still failing after {n} retries in {spent:.0f} s, at "
                           f"{where}: {error}") from error
-        delay = min(self.delay * 2 ** n, 60)
         log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
                     type(error).__name__, error, n + 1, self.retries, delay)
         time.sleep(delay)
@@ -2169,9 +2166,16 @@ def find_domains(pattern, like=None):
 def natural_sizes(pattern):
     """{domain: bytes of its files, as stored}: what drawing from all the domains' documents
     at once (plain concatenation) samples in proportion to (--mix natural). Bytes, not tokens:
-    known without reading the data; a compressed domain counts its compressed bytes."""
-    return {name: sum(os.path.getsize(url) for url in expand_urls(shards))
-            for name, shards in find_domains(pattern).items()}
+    known without reading the data; a compressed domain counts its compressed bytes (a
+    warning when some shards are compressed and others not)."""
+    shards = {name: expand_urls(urls) for name, urls in find_domains(pattern).items()}
+    packed = {name: [url.endswith(_COMPRESSED) for url in urls] for name, urls in shards.items()}
+    if len({flag for flags in packed.values() for flag in flags}) > 1:
+        log.warning("--mix natural weighs the domains by their files' bytes as stored, and the "
+                    "shards of %s are compressed, others not: compressed text weighs 3 to 10 "
+                    "times less than it reads. Give the weights (--mix NAME=W,...) instead.",
+                    ", ".join(name for name, flags in packed.items() if any(flags)))
+    return {name: sum(map(os.path.getsize, urls)) for name, urls in shards.items()}
 
 
 def domain_weights(domains, given=None):

@@ -20,6 +20,7 @@ from helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import data
 from data import Files, Map, Sequence, Tokenize
 
 TOY = toy_tokenizer()
@@ -141,3 +142,18 @@ def test_a_skip_larger_than_the_first_batch_carries_on():
     new.load_state_dict(state)
     assert take(new, 34) == straight[6:]
     assert len(new._batch) == 1
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "docs.txt"])
+def test_a_line_past_the_cap_is_refused_naming_shard_and_byte(tmp_path, monkeypatch, name):
+    """No input takes the machine's memory: a line longer than MAX_LINE_BYTES (1,000 here) is
+    a DataError at the byte where it starts, read no further; the lines before it come."""
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 1000)
+    shard = tmp_path / name
+    lines = [json.dumps({"text": "short"}) if name.endswith("jsonl") else "short"] * 2
+    shard.write_text("\n".join(lines + ["x" * 5000, lines[0]]) + "\n")
+    files = Files(str(shard))
+    assert [next(files) for _ in range(2)]
+    with pytest.raises(data.DataError, match=f"shard {shard}: the line at byte "
+                       f"{2 * len(lines[0]) + 2} is longer than 1,000 bytes"):
+        next(files)

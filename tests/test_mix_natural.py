@@ -1,6 +1,7 @@
 """--mix natural: each domain weighed by the bytes of its files, measured when the run starts
 and kept in the run, so that a killed run resumes to the very same bits."""
 
+import gzip
 import json
 
 import pytest
@@ -55,3 +56,18 @@ def test_a_natural_mix_killed_resumes_exactly_with_the_weights_it_started_with(t
     big, small = (state["config"]["mix_weights"][n] for n in ("big", "small"))
     assert big == pytest.approx(0.75, abs=0.01) and small == pytest.approx(0.25, abs=0.01)
     assert metrics(tmp_path / "straight")[0]["mix/p_big"] == big
+
+
+def test_natural_weights_of_a_compressed_domain_beside_plain_ones_are_warned_about(tmp_path,
+                                                                                   caplog):
+    """Bytes as stored: a gzipped domain weighs less than its text. Said, naming it; a run of
+    only plain (or only compressed) domains says nothing."""
+    pattern = domains(tmp_path, {"code": 40_000, "prose": 40_000})
+    data.natural_sizes(pattern)
+    assert "compressed" not in caplog.text
+    for shard in (tmp_path / "code").glob("*.jsonl"):
+        shard.with_suffix(".jsonl.gz").write_bytes(gzip.compress(shard.read_bytes()))
+        shard.unlink()
+    sizes = data.natural_sizes(str(tmp_path / "*/train-*.jsonl*"))
+    assert sizes["code"] < sizes["prose"] / 3
+    assert "the shards of code are compressed, others not" in caplog.text

@@ -14,6 +14,7 @@ import re
 import socket
 import sys
 import threading
+import time
 
 import boto3
 import datasets
@@ -294,6 +295,24 @@ def test_a_server_that_never_answers_times_out_and_is_named(monkeypatch):
             next(Files(url, n_active_shards=1, retries=1, retry_delay=0))
     finally:
         silent.close()
+
+
+def test_retries_stop_after_their_time_whatever_fills_it(monkeypatch):
+    """A silent server: each attempt waits out the read timeout. 1,000 retries of 0.3 s would
+    take 5 minutes; RETRY_TIME (1 s here) ends them after a few, naming the time spent."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}/x.jsonl"
+    monkeypatch.setattr(data, "HTTP_TIMEOUT", (0.3, 0.3))
+    monkeypatch.setattr(data, "RETRY_TIME", 1)
+    began = time.monotonic()
+    try:
+        with pytest.raises(OSError, match=r"still failing after [1-9] retries in [01] s"):
+            next(Files(url, n_active_shards=1, retries=1000, retry_delay=0))
+    finally:
+        silent.close()
+    assert time.monotonic() - began < 30
 
 
 def test_a_server_without_range_requests_is_named_with_the_way_out(tmp_path):
