@@ -71,7 +71,7 @@ def test_empty_splits_are_not_opened_again_in_later_epochs(tmp_path):
     url = write_lines(tmp_path / "one.jsonl", [json.dumps({"text": text})])
     files = Files(url, repeat=True, n_active_shards=8)
     opened, real_open = [], files.shards.open
-    files.shards.open = lambda u: opened.append(u) or real_open(u)
+    files.shards.open = lambda u, *at: opened.append(u) or real_open(u, *at)
     assert [next(files)["text"] for _ in range(20)] == [text] * 20
     assert len(opened) <= 8 + 19, f"{len(opened)} opens for 20 epochs of one document"
     # Derived from the files, not saved: a resumed Files finds the empty splits again.
