@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -52,7 +52,8 @@ DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.pa
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "init_from", "seed", "seq_length", "lr", "min_lr", "warmup_steps",
                "weight_decay", "active_shards", "shuffle_buffer", "epochs", "fsdp", "task",
-               "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format", "grad_clip")
+               "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format", "grad_clip",
+               "optimizer")
 # The flags that may name local files: recorded as absolute paths (a run resumes from anywhere).
 LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
@@ -76,8 +77,9 @@ def main():
     tokenizer, model = build_model(args, ctx.device)
     flops_per_token = utils.flops_per_token(model, args.seq_length)
     model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
-    optimizer = build_optimizer(model, args)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, args) / args.lr)
+    optimizers = build_optimizers(model, args)  # AdamW; --optimizer muon: Muon and AdamW
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: get_lr(s, args) / args.lr)
+                  for o in optimizers]
     # Training state of your own, in every checkpoint and restored on resume: name -> object
     # with state_dict() and load_state_dict() (README, "Changing the kit": an EMA).
     extra = {}
@@ -89,14 +91,14 @@ def main():
     val_batches = validation_batches(args, tokenizer, domains, rank)
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
-        load_checkpoint(run, model, optimizer, lr_scheduler, extra, train_loader, args, ctx)
+        load_checkpoint(run, model, optimizers, schedulers, extra, train_loader, args, ctx)
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     run.begin_training(args, ctx, train_loader, extra)  # forget what a killed run did after it
     losses = compile_model(model, args)  # --compile: the model, in place, and the loss
 
     stop = utils.stop_on_signals()  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
-    save = functools.partial(save_checkpoint, run, model, optimizer, lr_scheduler, extra,
+    save = functools.partial(save_checkpoint, run, model, optimizers, schedulers, extra,
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]), stop)
@@ -131,21 +133,18 @@ def main():
                 # One all-reduce, and one wait for the GPU, for all the step's numbers.
                 stats = utils.all_reduce_sum(stats, world_size)
                 utils.stop_if_diverged(stats, step, run, train_loader, writer)
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory
+                lrs = update(optimizers, schedulers)  # the learning rates this step used
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
             utils.past_first_step(step, run, args, ctx)  # collectives then time out sooner
 
-            metrics = {"step": step, "loss": stats["loss"], "lr": lr,
+            metrics = {"step": step, "loss": stats["loss"], **lrs,
                        "grad_norm": stats["grad_norm"], "tokens_seen": state["tokens_seen"]}
             if domains:
                 metrics |= mixing_metrics(stats, domains, probabilities, mixer, state, args)
             if log_step:
-                metrics |= speed_metrics(timers, stats, (step - last_log_step) * tokens_per_step,
-                                         flops_per_token, ctx)
+                tokens = (step - last_log_step) * tokens_per_step  # since the last log
+                metrics |= utils.speed_metrics(timers, stats, tokens, flops_per_token, ctx)
                 last_log_step = step
             if step % args.val_freq == 0 or step == args.max_steps:
                 metrics |= validate()
@@ -180,7 +179,7 @@ def parse_args(argv=None):
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
     if args.sample_prompt is None:
         args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
-    utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT)
+    utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT, create_model=create_model)
     return args
 
 
@@ -285,16 +284,26 @@ def compile_model(model, args):
     return torch.compile(sequence_losses) if args.compile else sequence_losses
 
 
-def build_optimizer(model, args):
-    """AdamW with weight decay on the weight matrices only: pulling biases and LayerNorm gains
-    towards zero does not regularize anything. The fused kernel: one launch per step on a GPU,
-    a third to a half of the for-loop's time on a CPU (docs/benchmarks.md)."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": args.weight_decay},
-         {"params": vectors, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=True)
+def build_optimizers(model, args):
+    """The optimizers, a list (each is scheduled, saved, restored). AdamW, fused (on a GPU one
+    launch per step; on a CPU a third to a half of the for-loop's time), decaying the weight
+    matrices only: decaying biases and LayerNorm gains regularizes nothing. --optimizer muon:
+    torch.optim.Muon on the hidden matrices, AdamW on the rest (as nanochat trains)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    outer = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or m is head
+             for p in m.parameters()}
+    hidden, matrices, vectors = [], [], []
+    for p in model.parameters():
+        muon = args.optimizer == "muon" and p.dim() == 2 and id(p) not in outer
+        (hidden if muon else matrices if p.dim() >= 2 else vectors).append(p)
+    adamw = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
+                               {"params": vectors, "weight_decay": 0.0}],
+                              lr=args.lr, betas=(0.9, 0.95), fused=True)
+    if not hidden:
+        return [adamw]
+    # Its updates scaled to AdamW's size ("match_rms_adamw"): one --lr and schedule for both.
+    return [torch.optim.Muon(hidden, lr=args.lr, weight_decay=args.weight_decay,
+                             adjust_lr_fn="match_rms_adamw"), adamw]
 
 
 def get_lr(step, args):
@@ -379,43 +388,43 @@ def validation_batches(args, tokenizer, domains, rank):
 
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
 
-def load_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ctx):
+def load_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx):
     """Everything save_checkpoint wrote, the RNG states last (after all else has drawn from
     them). A file that does not load ends the run in one paragraph (utils.read_checkpoint)."""
     with utils.read_checkpoint(run, ctx) as ckpt:
         if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(model, optimizers)
             states = {"model": model_state, "optimizer": optim_state,
                       **{name: obj.state_dict() for name, obj in extra.items()}}
             dcp.load(states, checkpoint_id=ckpt.path("dcp"))
-            set_state_dict(model, optimizer, model_state_dict=model_state,
+            set_state_dict(model, optimizers, model_state_dict=model_state,
                            optim_state_dict=optim_state)
         else:
             utils.unwrap(model).load_state_dict(ckpt.load("model.pt"))
-            optimizer.load_state_dict(ckpt.load("optimizer.pt"))
+            utils.load_states(optimizers, ckpt.load("optimizer.pt"), "optimizer.pt")
             states = ckpt.load_extras(extra)  # (rank 0's, on every rank)
         for name, obj in extra.items():
             obj.load_state_dict(states[name])
-        lr_scheduler.load_state_dict(ckpt.load("lr_scheduler.pt"))
+        utils.load_states(schedulers, ckpt.load("lr_scheduler.pt"), "lr_scheduler.pt")
         ckpt.load_loader(loader)  # on another number of ranks, all ranks' states merged
         utils.set_rng_state(ckpt.load_rng())
 
 
-def save_checkpoint(run, model, optimizer, lr_scheduler, extra, loader, args, ctx, writer):
-    """What a checkpoint holds: rank 0's model, optimizer, schedule and ``extra`` (NAME.pt; with
+def save_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx, writer):
+    """What a checkpoint holds: rank 0's model, optimizers, schedules and ``extra`` (NAME.pt; with
     FSDP each rank's shards, through torch.distributed.checkpoint), every rank's RNG and loader
     state. utils.save_checkpoint writes them so that a kill at any instant leaves a whole one."""
     files = {utils.RNG_FILE.format(ctx.rank): utils.rng_state(ctx.device),
              utils.LOADER_FILE.format(ctx.rank): loader.state_dict()}
     if args.fsdp:  # this rank's shards
-        files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
+        files["dcp"] = dict(zip(("model", "optimizer"), get_state_dict(model, optimizers)))
         files["dcp"] |= {name: obj.state_dict() for name, obj in extra.items()}
     elif ctx.rank == 0:
         files["model.pt"] = utils.unwrap(model).state_dict()
-        files["optimizer.pt"] = optimizer.state_dict()
+        files["optimizer.pt"] = utils.states(optimizers)  # one state_dict(), or a list
         files |= {f"{name}.pt": obj.state_dict() for name, obj in extra.items()}
     if ctx.rank == 0:
-        files["lr_scheduler.pt"] = lr_scheduler.state_dict()
+        files["lr_scheduler.pt"] = utils.states(schedulers)
     utils.save_checkpoint(run, files, writer, keep=args.keep_checkpoints, rank=ctx.rank)
 
 
@@ -457,6 +466,17 @@ def train_step(model, batches, ctx, timers, losses, n_domains=0):
                                ("sequences", torch.ones_like(counts))):
                 stats[f"domain_{key}"].index_add_(0, index, value.float())
     return stats
+
+
+def update(optimizers, schedulers):
+    """Every optimizer's step, then its schedule's. Returns the learning rates the step used:
+    "lr" (the first optimizer's), and with several optimizers "lr/<class>" of each."""
+    lrs = {f"lr/{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers}
+    for optimizer, scheduler in zip(optimizers, schedulers):
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory
+    return {"lr": next(iter(lrs.values())), **(lrs if len(lrs) > 1 else {})}  # (read before)
 
 
 def clip_gradients(model, args, ctx):
@@ -509,7 +529,7 @@ def sequence_losses(logits, targets):
 # --- Metrics and validation -------------------------------------------------------------------
 
 def mixing_metrics(stats, domains, probabilities, mixer, state, args):
-    """With domains: feed the step's per-domain losses (all ranks) to the ODM mixer, count each
+    """With domains: feed the step's per-domain losses (all ranks) to the mixer, count each
     domain's tokens in the run state, and return the mixture's numbers for the log."""
     losses = {i: stats["domain_loss"][i] / stats["domain_tokens"][i]
               for i in range(len(domains)) if stats["domain_tokens"][i]}
@@ -526,17 +546,6 @@ def mixing_metrics(stats, domains, probabilities, mixer, state, args):
     return metrics
 
 
-def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
-    """Throughput since the last call (``tokens`` by all ranks), the share of it waiting for
-    data, MFU (per GPU; None without a known peak), memory, bad records skipped."""
-    seconds = {name: timer.pop() for name, timer in timers.items()}
-    tokens_per_s = tokens / sum(seconds.values())  # all ranks together
-    peak = utils.peak_flops(ctx.device)
-    mfu = flops_per_token * tokens_per_s / ctx.world_size / peak if peak else None
-    return {"tokens_per_s": tokens_per_s, "data_wait": seconds["data"] / sum(seconds.values()),
-            "mfu": mfu, **utils.memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
-
-
 def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format, stop):
     val_loss, per_domain = evaluate(model, batches, ctx, len(domains), stop)
     if val_loss is None:  # a signal: its checkpoint comes first (torchrun kills 30 s after it)
@@ -545,24 +554,8 @@ def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_for
     metrics = {"val_loss": val_loss,
                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
     if args.sample_tokens:  # remove these two lines and the sample is gone
-        metrics["sample"] = sample(model, tokenizer, args, ctx, prompt_format)
+        metrics["sample"] = utils.sample(model, tokenizer, args, ctx, prompt_format)
     return metrics
-
-
-@torch.no_grad()
-def sample(model, tokenizer, args, ctx, prompt_format):
-    """A continuation of --sample-prompt, to see the model learn to write: the same seed each
-    time, so only the weights change it; an RNG of its own, so training is not disturbed.
-    Under FSDP every forward is a collective: all ranks generate the full length."""
-    model.eval()
-    # Eager even under --compile: each new length would otherwise compile the model again.
-    with ctx.autocast(), torch.compiler.set_stance("force_eager"):
-        out = utils.generate(utils.unwrap(model), tokenizer, args.sample_prompt,
-                             max_new_tokens=args.sample_tokens, seed=args.seed,
-                             fixed_length=isinstance(model, FSDPModule),
-                             prompt_format=prompt_format)  # the template the model learns
-    model.train()
-    return out
 
 
 @torch.no_grad()
@@ -653,7 +646,9 @@ def get_parser():
     add("--global-batch-size", type=at_least(1), default=None, metavar="N",
         help="sequences per step over all ranks: sets --grad-accum from the world size, so a "
              "run restarted on another number of ranks keeps its batch")
-    add("--weight-decay", type=finite(0), default=0.1, help="AdamW weight decay of matrices")
+    add("--optimizer", choices=["adamw", "muon"], default="adamw",
+        help="muon: Muon on the hidden matrices, AdamW on the rest (build_optimizers)")
+    add("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
     add("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
         help="clip the gradient norm to this (inf: never)")
 

@@ -157,12 +157,14 @@ def mix_weights(text):
 SHIPPED = ("tokenizer", "model_name", "dataset", "val_dataset")
 
 
-def check_args(parser, args, local_paths, shipped):
+def check_args(parser, args, local_paths, shipped, create_model):
     """What no single flag's type can check, before anything is written: the shipped files that
     a copy of the kit lacks (all named in one paragraph), the run directory, flags against
     each other. Local paths of ``local_paths`` become absolute: a run records where its files
-    are, so that it resumes, and generate.py finds its tokenizer, from any directory."""
-    missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
+    are, so that it resumes, and generate.py finds its tokenizer, from any directory. A
+    --model-name that ``create_model`` never reads (a model of your own) need not exist."""
+    unread = args.init_from or "model_name" not in create_model.__code__.co_names  # (args.NAME)
+    missing = [name for name in SHIPPED if not (name == "model_name" and unread)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
                and _local(getattr(args, name)) is None]
     if missing:
@@ -186,6 +188,9 @@ def check_args(parser, args, local_paths, shipped):
         parser.error(f"--experiment-name {args.experiment_name!r} must name a directory inside "
                      f"--save-dir {args.save_dir}: the run writes (and deletes its own old "
                      "checkpoints) there")
+    if getattr(args, "optimizer", None) == "muon" and args.fsdp:
+        parser.error("--optimizer muon with --fsdp: torch.optim.Muon orthogonalizes each whole "
+                     "matrix, and FSDP gives each rank a shard of it. Train Muon without --fsdp.")
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
                      "from --lr down to --min-lr")
@@ -321,6 +326,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                 export_again_if_stale(exp_dir, state["checkpoint"])
             return None
     state["script"] = str(Path(script).resolve())
+    state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
     if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()) and \
             Path(state["run_dir"]).exists():  # (a run moved away keeps its wandb run)
         LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
@@ -922,6 +928,18 @@ def keep_freed_memory():
         mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap's free top
 
 
+def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
+    """For the log: throughput since the last call (``tokens`` by all ranks; ``timers`` of
+    train_llm.py's step), the share of it waiting for data, MFU (per GPU; None without a known
+    peak), memory, bad records skipped (``stats``, summed over ranks)."""
+    seconds = {name: timer.pop() for name, timer in timers.items()}
+    tokens_per_s = tokens / sum(seconds.values())  # all ranks together
+    peak = peak_flops(ctx.device)
+    mfu = flops_per_token * tokens_per_s / ctx.world_size / peak if peak else None
+    return {"tokens_per_s": tokens_per_s, "data_wait": seconds["data"] / sum(seconds.values()),
+            "mfu": mfu, **memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
+
+
 def memory_stats(device):
     """Peak memory since the last call, in GiB, and allocator trouble counters on CUDA."""
     if device.type == "cuda":
@@ -1265,6 +1283,23 @@ def rng_state(device):
     }
 
 
+def states(objs):
+    """The state_dict() of each of ``objs`` (optimizers, schedules): of one alone, as a plain
+    torch.optim checkpoint holds it; of several, a list."""
+    return objs[0].state_dict() if len(objs) == 1 else [obj.state_dict() for obj in objs]
+
+
+def load_states(objs, saved, name):
+    """Loads into ``objs`` what ``states`` saved (checkpoint file ``name``): as many of them."""
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != len(objs):
+        sys.exit(f"The checkpoint's {name} holds {len(saved)} state(s) and the script builds "
+                 f"{len(objs)}: it was saved by another build_optimizers. Put that one back, or "
+                 "start a new --experiment-name. Nothing was changed.")
+    for obj, state in zip(objs, saved):
+        obj.load_state_dict(state)
+
+
 def set_rng_state(state):
     random.setstate(state["python"])
     version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
@@ -1449,7 +1484,7 @@ def checkpoint_model(ckpt_dir, script=None, weights="model"):
         builder = f"the model of --init-from {config['init_from']}"
     else:  # (a run of a version that did not record its script: the kit's own)
         script = script or saved.get("script") or str(KIT / "train_llm.py")
-        model = rebuild_model(script, config, ckpt_dir)
+        model = rebuild_model(script, {**saved.get("args", {}), **config}, ckpt_dir)
         builder = f"create_model of {script}"
     try:
         state = checkpoint_weights(ckpt_dir, weights)
@@ -1483,7 +1518,8 @@ def deleted_meanwhile(ckpt_dir, path):
 
 def rebuild_model(script, config, ckpt_dir):
     """The model of a run, fresh: built by create_model of ``script`` (the training script
-    the run recorded, under any name and in any directory) from the flags the run recorded."""
+    the run recorded, under any name and in any directory) from the flags the run recorded
+    (``config``: all of them as the checkpoint's start had them, the fingerprint's over them)."""
     if not Path(script).is_file():
         raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
                       "builds the model these weights belong to. Put the script back there, or "
@@ -1661,6 +1697,21 @@ def prompt_text(tokenizer, text, prompt_format=None):
     if prompt_format == "instruction":
         return data.instruction_prompt(text)
     return text
+
+
+@torch.no_grad()
+def sample(model, tokenizer, args, ctx, prompt_format):
+    """A continuation of --sample-prompt at validation, to see the model learn to write: the
+    same seed each time, so only the weights change it (generate's RNG is its own: training is
+    not disturbed). Eager even under --compile: each new length would compile the model again.
+    Under FSDP every forward is a collective: all ranks generate the full length."""
+    model.eval()
+    with ctx.autocast(), torch.compiler.set_stance("force_eager"):
+        out = generate(unwrap(model), tokenizer, args.sample_prompt,
+                       max_new_tokens=args.sample_tokens, seed=args.seed,
+                       fixed_length=args.fsdp, prompt_format=prompt_format)
+    model.train()
+    return out
 
 
 def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,

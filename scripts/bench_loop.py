@@ -110,7 +110,7 @@ class BareLoop:
         torch.manual_seed(args.seed)
         self.model = (create_model(args) if model_kind == "shipped"
                       else plain_gpt(AutoConfig.from_pretrained(args.model_name))).to(device)
-        self.optimizer = train_llm.build_optimizer(self.model, args)
+        self.optimizer, = train_llm.build_optimizers(self.model, args)  # AdamW alone
         self.inputs = [ids.to(device) for ids in items]
         self.targets = [F.pad(ids[:, 1:], (0, 1), value=-100) for ids in self.inputs]
         self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16,

@@ -158,3 +158,29 @@ def test_a_moved_kit_resumes_its_runs_with_the_same_command(tiny_model, tmp_path
                                                       "metrics.jsonl").read_text().splitlines()]
               for name in ("run", "straight")]
     assert losses[0] == losses[1]
+
+
+@pytest.mark.slow
+def test_a_flag_that_create_model_reads_outside_the_fingerprint_rebuilds_the_model(
+        tiny_model, tmp_path):
+    """--blocks, a learner's new flag read by create_model and not put in FINGERPRINT: the
+    kit's generate.py and --init-from rebuild the model with the value the run trained with."""
+    script = copy_kit(tmp_path / "proj", "my_train.py", """
+        def create_model(args):
+            config = utils.pretrained(AutoConfig, args.model_name, "--model-name",
+                                      use_cache=False)
+            config.n_layer = args.blocks
+            return AutoModelForCausalLM.from_config(config)
+        """, edits=[('    add("--init-from-pretrained"',
+                     '    add("--blocks", type=int, default=1)\n'
+                     '    add("--init-from-pretrained"')])
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=2,
+                                                        blocks=2))
+    assert result.returncode == 0, result.stderr
+    result = kit_script("generate", [tmp_path / "run", "--prompt", "def", "--max-new-tokens", "2"])
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, name="next",
+                                                        init_from=tmp_path / "run", max_steps=1))
+    assert result.returncode == 0, result.stderr
+    assert "transformer.h.1.attn.c_attn.weight" in weights(
+        tmp_path / "next/checkpoints/step-000001")

@@ -5,9 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from helpers import ENV, ROOT
 
 
+@pytest.mark.slow  # (two minutes beside the rest of the fast tier: it runs every part)
 def test_the_gpu_check_runs_on_the_cpu_and_its_correctness_rows_pass(tmp_path):
     out = tmp_path / "check.json"
     result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out",

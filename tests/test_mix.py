@@ -127,6 +127,33 @@ def test_mix_resumes_exactly_inside_and_after_warmup(weights, variant, warmup, s
     assert train_like(make, cuts, 20) == train_like(make, set(), 20)
 
 
+def design_curriculum():
+    """The Curriculum class of DESIGN.md section 9, as the text there has it."""
+    text = (ROOT / "DESIGN.md").read_text()
+    code = text[text.index("```python\nclass Curriculum"):].split("```")[1].removeprefix("python")
+    namespace = {}
+    exec(code, namespace)
+    return namespace["Curriculum"]
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(seed=st.integers(0, 3), prefetch=st.booleans(),
+       cuts=st.sets(st.integers(1, 20), min_size=1, max_size=3))
+def test_a_curriculum_mixer_as_design_shows_it_resumes_exactly(seed, prefetch, cuts):
+    """A mixer of one's own (the interface of OnlineMixer): probabilities move with the step
+    from the start weights to the end ones, and a Mix cut anywhere draws the very same."""
+    curriculum = design_curriculum()
+
+    def make():
+        mix = make_mix([1, 1, 4], "fixed", 0, seed, prefetch)
+        mix.mixer = curriculum([1, 1, 4], [4, 1, 1], steps=12)
+        return mix
+
+    straight = train_like(make, set(), 20)
+    assert straight[0][1] != straight[12][1] == straight[19][1] == [4, 1, 1]
+    assert train_like(make, cuts, 20) == straight
+
+
 def test_a_mix_state_from_other_domains_is_refused():
     state = make_mix([1, 1], "exp3", 0, 0, False).state_dict()
     with pytest.raises(ValueError, match="domains"):

@@ -111,3 +111,14 @@ def test_what_needs_transformers_refuses_at_start(straight, project, tmp_path):
     result = own(project, [*args_for(tmp_path), "--activation-checkpointing"])
     refused(result, "--activation-checkpointing", "TinyGPT")
     assert not (tmp_path / "run").exists()  # a start that fails before training keeps nothing
+
+
+@pytest.mark.slow
+def test_it_needs_no_model_name_that_exists(project, tmp_path):
+    """create_model reads no --model-name: the shipped default, absent from the project, is
+    not asked for (a copy of the kit's own create_model is: test_copied_kit)."""
+    args = [a for a in args_for(tmp_path, max_steps=1) if not str(a).startswith("--model-name")]
+    assert not any("tiny-gpt2" in str(a) for a in args) and not (project / "assets").exists()
+    result = own(project, args)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run/checkpoints/step-000001").is_dir()

@@ -13,7 +13,7 @@ import utils
 
 EMA = """    extra = {}
     ema = AveragedModel(utils.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    optimizer.register_step_post_hook(lambda *_: ema.update_parameters(utils.unwrap(model)))
+    optimizers[-1].register_step_post_hook(lambda *_: ema.update_parameters(utils.unwrap(model)))
     extra["ema"] = ema
 """
 IMPORT = "from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn\n"
