@@ -53,7 +53,7 @@ FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_p
                "init_from", "seed", "seq_length", "lr", "min_lr", "warmup_steps",
                "weight_decay", "active_shards", "shuffle_buffer", "epochs", "fsdp", "task",
                "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format", "grad_clip",
-               "optimizer")
+               "optimizer", "label_smoothing")
 # The flags that may name local files: recorded as absolute paths (a run resumes from anywhere).
 LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
@@ -278,10 +278,12 @@ def parallelize(model, args, ctx):
 
 def compile_model(model, args):
     """--compile: the model in place (state_dict() keys stay those of the plain model) and the
-    loss, whose softmax Inductor fuses. Returns the loss function for train_step."""
+    loss, whose softmax Inductor fuses. Returns train_step's loss: sequence_losses with
+    --label-smoothing (evaluate scores the plain cross-entropy, comparable across runs)."""
     if args.compile:
         utils.unwrap(model).compile()
-    return torch.compile(sequence_losses) if args.compile else sequence_losses
+    loss = functools.partial(sequence_losses, label_smoothing=args.label_smoothing)
+    return torch.compile(loss) if args.compile else loss
 
 
 def build_optimizers(model, args):
@@ -513,7 +515,7 @@ def forward(model, batch, device):
                     else input_ids)
 
 
-def sequence_losses(logits, targets):
+def sequence_losses(logits, targets, label_smoothing=0.0):
     """Next-token cross-entropy summed over each sequence, and the tokens scored: two [batch]
     tensors, what a mean over tokens, or over a domain's sequences, is made of."""
     targets, flat = next_token_targets(targets), logits.flatten(0, 1)
@@ -521,8 +523,9 @@ def sequence_losses(logits, targets):
     # logits: past 2**30 of them (4 GiB each; on a CPU past 2**28, where it is also slower)
     # utils' computes the same a chunk of rows at a time. Compiled, neither is stored.
     big = flat.numel() > (2**30 if flat.is_cuda else 2**28) and not torch.compiler.is_compiling()
-    loss = (utils.cross_entropy(flat, targets.flatten(), reduction="none") if big else
-            F.cross_entropy(flat.float(), targets.flatten(), reduction="none"))
+    kwargs = {"reduction": "none", "label_smoothing": label_smoothing}
+    loss = (utils.cross_entropy(flat, targets.flatten(), **kwargs) if big else
+            F.cross_entropy(flat.float(), targets.flatten(), **kwargs))
     return loss.view(targets.shape)[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)
 
 
@@ -649,6 +652,8 @@ def get_parser():
     add("--optimizer", choices=["adamw", "muon"], default="adamw",
         help="muon: Muon on the hidden matrices, AdamW on the rest (build_optimizers)")
     add("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
+    add("--label-smoothing", type=finite(0, high=1), default=0.0,
+        help="of the training loss (validation scores plain cross-entropy)")
     add("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
         help="clip the gradient norm to this (inf: never)")
 

@@ -251,3 +251,22 @@ def test_the_loss_of_bf16_logits_makes_no_float32_copy_of_them(loss, at_most):
     with LargestFloat32() as largest:
         loss(logits, targets).sum().backward()
     assert largest.most <= at_most
+
+
+def test_label_smoothing_is_the_training_losss_alone():
+    """--label-smoothing goes into train_step's loss (compile_model), the same through the
+    chunked loss that huge logits take; evaluate's sequence_losses stays plain cross-entropy."""
+    args = train_llm.parse_args(["-e", "x", "--label-smoothing", "0.1"])
+    training = train_llm.compile_model(small_model(), args)
+    logits, targets = torch.randn(2, 6, 50), torch.randint(0, 50, (2, 6))
+    sums, counts = training(logits, targets)
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
+                               reduction="none", label_smoothing=0.1).view(2, 5).sum(dim=1)
+    assert torch.allclose(sums, expected) and counts.tolist() == [5, 5]
+    chunked = utils.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
+                                  reduction="none", label_smoothing=0.1, chunk_elements=100)
+    assert torch.allclose(chunked.view(2, 5).sum(dim=1), expected, atol=1e-5)
+    plain, _ = train_llm.sequence_losses(logits, targets)
+    assert torch.allclose(plain, F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), reduction="none").view(
+            2, 5).sum(dim=1))
