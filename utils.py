@@ -1532,6 +1532,24 @@ def rebuild_model(script, config, ckpt_dir):
     return module.create_model(types.SimpleNamespace(**args))
 
 
+def project_utils(path, script=None):
+    """The utils module of the project whose script trained the run (or checkpoint) at
+    ``path``: a copy of the kit keeps its own utils.py and data.py beside its script, and may
+    have changed them; the kit's scripts/ then work with those, not with the kit's. This
+    module where the run names no script, or one with no utils.py beside it (or the kit's)."""
+    if script is None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            script = json.loads((find_checkpoint(path) / "state.json").read_text())["script"]
+    folder = Path(script).resolve().parent if script else KIT
+    if folder == KIT or not (folder / "utils.py").is_file():
+        return sys.modules[__name__]
+    for name in ("data", "utils"):  # (data first: utils imports it)
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules["utils"]
+
+
 def load_script(script):
     """A training script as a module of its own (its main() does not run), found by path: a
     copy of the kit's script under another name works, and so do modules next to it."""

@@ -1,7 +1,7 @@
 """Export a checkpoint of a train_llm.py run in the Hugging Face layout (safetensors weights,
 config and tokenizer), for transformers, vLLM, llama.cpp's converters and the rest. A run of a
 copy of the kit (the script renamed, its create_model changed) works too: the model is rebuilt
-by the script the run recorded.
+by the script the run recorded, with the copy's own utils.py and data.py.
 
     python scripts/export_hf.py outputs/demo --out demo-hf
     python scripts/export_hf.py outputs/demo --checkpoint outputs/demo/checkpoints/step-000400 \
@@ -38,8 +38,8 @@ def main():
                              "kit)")
     args = parser.parse_args()
     source = args.checkpoint or args.run_dir
-    model, tokenizer, config = utils.load_trained(source, script=args.script,
-                                                  weights=args.weights)
+    kit = utils.project_utils(source, args.script)  # a copy's own utils.py, if it has one
+    model, tokenizer, config = kit.load_trained(source, script=args.script, weights=args.weights)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "
@@ -48,8 +48,8 @@ def main():
     if (source / "config.json").exists():  # already Hugging Face files: re-exported as they are
         checkpoint = source
     else:
-        checkpoint = utils.find_checkpoint(source).resolve()
-    utils.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint))
+        checkpoint = kit.find_checkpoint(source).resolve()
+    kit.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint))
     print(f"Wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 

@@ -1,6 +1,7 @@
 """Continue a prompt with a trained model: a run directory (its newest checkpoint, no export
 needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name. A run
-of any copy of the kit works: its model is rebuilt by the training script the run recorded.
+of any copy of the kit works: its model is rebuilt by the training script the run recorded,
+with the copy's own utils.py and data.py.
 
     python scripts/generate.py outputs/demo --prompt "The river"
     python scripts/generate.py outputs/demo-sft --prompt "Name three colors." --max-new-tokens 60
@@ -47,14 +48,15 @@ def main():
                              "kit)")
     args = parser.parse_args()
 
-    model, tokenizer, config = utils.load_trained(args.model, script=args.script,
-                                                  weights=args.weights)
+    kit = utils.project_utils(args.model, args.script)  # a copy's own utils.py, if it has one
+    model, tokenizer, config = kit.load_trained(args.model, script=args.script,
+                                                weights=args.weights)
     model.to(args.device).eval()
-    layout = None if args.no_template else utils.prompt_format(config)  # as it was trained
-    print(utils.prompt_text(tokenizer, args.prompt, layout)
-          + utils.generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                           prompt_format=layout))
+    layout = None if args.no_template else kit.prompt_format(config)  # as it was trained
+    print(kit.prompt_text(tokenizer, args.prompt, layout)
+          + kit.generate(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                         prompt_format=layout))
 
 
 if __name__ == "__main__":

@@ -184,3 +184,25 @@ def test_a_flag_that_create_model_reads_outside_the_fingerprint_rebuilds_the_mod
     assert result.returncode == 0, result.stderr
     assert "transformer.h.1.attn.c_attn.weight" in weights(
         tmp_path / "next/checkpoints/step-000001")
+
+
+@pytest.mark.slow
+def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
+    """A project that changed its utils.py: generate.py and export_hf.py of the kit use that
+    one (and its data.py) for the project's runs, not the kit's."""
+    script = copy_kit(tmp_path / "proj", "my_train.py")
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=2))
+    assert result.returncode == 0, result.stderr
+    utils_py = script.parent / "utils.py"
+    utils_py.write_text(utils_py.read_text().replace(
+        '    device = next(model.parameters()).device\n    text = prompt_text(',
+        '    return " (the project\'s own utils.py)"\n    text = prompt_text(', 1))
+    result = kit_script("generate", [tmp_path / "run", "--prompt", "def"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "def (the project's own utils.py)"
+    utils_py.write_text(utils_py.read_text().replace(
+        "def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):",
+        "def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):"
+        "\n    raise OSError('the project save_hf')", 1))
+    refused(kit_script("export_hf", [tmp_path / "run", "--out", tmp_path / "out"]),
+            "the project save_hf")
