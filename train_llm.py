@@ -291,7 +291,7 @@ def build_optimizers(model, args):
     launch per step; on a CPU a third to a half of the for-loop's time), decaying the weight
     matrices only: decaying biases and LayerNorm gains regularizes nothing. --optimizer muon:
     torch.optim.Muon on the hidden matrices, AdamW on the rest (as nanochat trains)."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
+    head = getattr(utils.unwrap(model), "get_output_embeddings", lambda: None)()  # (not DDP's)
     outer = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or m is head
              for p in m.parameters()}
     hidden, matrices, vectors = [], [], []
@@ -478,7 +478,7 @@ def update(optimizers, schedulers):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # frees the gradients' memory
-    return {"lr": next(iter(lrs.values())), **(lrs if len(lrs) > 1 else {})}  # (read before)
+    return {"lr": next(iter(lrs.values())), **(lrs if len(lrs) > 1 else {})}
 
 
 def clip_gradients(model, args, ctx):
