@@ -4,15 +4,7 @@ Every stage is an iterator over samples (dicts) that wraps an upstream stage and
 contract (DESIGN.md section 2): after ``s = stage.state_dict()``, a freshly built pipeline with
 the same arguments that calls ``load_state_dict(s)`` yields exactly the items the original
 would have yielded next. States are plain JSON. Sources resume by seeking, never by replaying.
-
-    pipe = Files("data/sample/*/train-*.jsonl", repeat=True, shuffle_shards=True)
-    pipe = Tokenize(pipe, tokenizer, num_threads=2)
-    pipe = EnsureBosEos(pipe, tokenizer)
-    pipe = ConcatChunk(pipe, 1024)
-    pipe = Shuffle(pipe, 1000, seed=0)
-    pipe = Prefetch(Batch(pipe, 8))
-    batch = next(pipe)              # {"input_ids": LongTensor[8, 1024]}
-    state = pipe.state_dict()       # json.dumps(state) works; load it into a new pipeline
+A pipeline of them: README.md, "Using data.py on its own"; train_llm.py's is build_pipeline.
 
 The file reads top to bottom in the order a sample meets the stages:
 
@@ -42,6 +34,7 @@ import math
 import os
 import queue
 import random
+import re
 import threading
 import time
 import zlib
@@ -319,10 +312,17 @@ class Shards:
             params["headers"] = {"Accept-Encoding": "identity", **params.get("headers", {}),
                                  "Range": f"bytes={at}-"}
         f = smart_open.open(url, "rb", transport_params=params)
-        if http and at and f.response.status_code != 206:
+        if http and at:  # the rest of the shard in one answer, or smart_open's seek gets it
+            status, answer = f.response.status_code, f.response.headers.get("Content-Range", "")
+            span = re.fullmatch(rf"bytes {at}-(\d+)/(\d+)", answer)
+            if status == 206 and span and int(span[1]) + 1 == int(span[2]):
+                return f
             f.close()
-            raise OSError("the server ignored the range request")  # (see _permanent)
-        if at and not http:
+            if status == 200:
+                raise OSError("the server ignored the range request")  # (see _permanent)
+            del params["headers"]["Range"]  # (a range cut short: ask as smart_open asks)
+            f = smart_open.open(url, "rb", transport_params=params)
+        if at:
             f.seek(at)
         return f
 
@@ -368,11 +368,9 @@ class Shards:
 
 
 class Files(Stage):
-    """Shards of JSON Lines (.jsonl/.json/.ndjson, plain or .gz/.zst/.bz2/.xz), JSON arrays (a
-    .json file holding one array of records, as Alpaca's) or Parquet, on local disk or anywhere
-    smart_open reaches (s3://, gs://, https://; ``transport_params`` go to it, e.g.
-    ``{"client": boto3.client("s3", endpoint_url=...)}``). ``format="jsonl"`` or ``"parquet"``
-    reads shards whose names don't tell.
+    """Shards of JSON Lines (plain or compressed), JSON arrays (as Alpaca's), text or Parquet
+    (DESIGN.md section 2 lists the suffixes; ``format`` reads shards whose names don't tell),
+    local or anywhere smart_open reaches (s3://, gs://, https://: ``transport_params``).
 
     **Slots.** The stream is a round-robin over ``n_active_shards`` (S) *slots*, one record
     from each in turn: slot s reads positions s, s + S, ... of the sequence of splits, epoch
@@ -757,7 +755,11 @@ def _read_lines(slot, open_shard):
         if "last" in slot:  # (states of older versions have no "last": not checked)
             _check_last_line(f, url, offset, *slot["last"])
         elif skip:
-            offset += len(f.readline()) - 1
+            crossing = f.readline(MAX_LINE_BYTES + 1)
+            if len(crossing) > MAX_LINE_BYTES:
+                raise DataError(f"shard {url}: the line across byte {offset} is longer than "
+                                f"{MAX_LINE_BYTES:,} bytes (data.MAX_LINE_BYTES)")
+            offset += len(crossing) - 1
         if end is None:
             end = math.inf
         # The line read last is kept ("_line"): a state holds its length and crc32 ("last"),
@@ -1160,9 +1162,7 @@ class Tokenize(Stage):
     state_dict() cheap, whatever the upstream is.
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
-    the GIL: that is what lets threads use several cores. The backend's own thread pool is
-    switched off (TOKENIZERS_PARALLELISM=false, set when this module is imported) so that it
-    and ours do not fight over cores.
+    the GIL, so that threads use several cores (its own pool is off: TOKENIZERS_PARALLELISM).
     """
 
     # Not in the config: where a batch ends does not change the stream (the skip of a state

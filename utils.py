@@ -163,7 +163,8 @@ def check_args(parser, args, local_paths, shipped, create_model):
     each other. Local paths of ``local_paths`` become absolute: a run records where its files
     are, so that it resumes, and generate.py finds its tokenizer, from any directory. A
     --model-name that ``create_model`` never reads (a model of your own) need not exist."""
-    unread = args.init_from or "model_name" not in create_model.__code__.co_names  # (args.NAME)
+    names = getattr(getattr(create_model, "__code__", None), "co_names", ("model_name",))
+    unread = args.init_from or not args.init_from_pretrained and "model_name" not in names
     missing = [name for name in SHIPPED if not (name == "model_name" and unread)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
                and _local(getattr(args, name)) is None]
@@ -364,8 +365,19 @@ def in_kit(saved, moved):
     moved to its new one: the shipped data, tokenizer and model resolve there now."""
     if not moved:
         return saved
-    old, new = (json.dumps(path + os.sep)[1:-1] for path in moved)
-    return json.loads(json.dumps(saved).replace(f'"{old}', f'"{new}'))
+    old, new = moved
+
+    def move(value):  # a pattern begins with its place escaped (kit[1]/ is kit[[]1]/ there)
+        if isinstance(value, dict):
+            return {key: move(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [move(item) for item in value]
+        for prefix in (old + os.sep, glob.escape(old) + os.sep):
+            if isinstance(value, str) and value.startswith(prefix):
+                rest = value[len(prefix):]
+                return (glob.escape(new) if glob.has_magic(rest) else new) + os.sep + rest
+        return value
+    return move(saved)
 
 
 def fresh_state(args, exp_dir, config):
@@ -1541,12 +1553,20 @@ def project_utils(path, script=None):
         with contextlib.suppress(OSError, ValueError, KeyError):
             script = json.loads((find_checkpoint(path) / "state.json").read_text())["script"]
     folder = Path(script).resolve().parent if script else KIT
-    if folder == KIT or not (folder / "utils.py").is_file():
+    if folder == KIT or not all((folder / f"{name}.py").is_file() for name in ("data", "utils")):
         return sys.modules[__name__]
-    for name in ("data", "utils"):  # (data first: utils imports it)
-        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
+    kit = {name: sys.modules.get(name) for name in ("data", "utils")}
+    try:
+        for name in kit:  # (data first: utils imports it)
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+        if not hasattr(sys.modules["utils"], "project_utils"):  # older than the scripts
+            raise ImportError(f"{folder / 'utils.py'} is of an older kit")
+    except Exception as e:  # the kit's own, as before: said, not a traceback
+        LOGGER.warning(f"Using the kit's utils.py and data.py, not {folder}'s: {e}")
+        sys.modules.update(kit)
+        return sys.modules[__name__]
     return sys.modules["utils"]
 
 
@@ -1598,7 +1618,8 @@ def pretrained(cls, name, what, **kwargs):
     if not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~"))
                                      or name.count("/") > 1 or os.path.isdir(name.split("/")[0])):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
-                                f"{os.getcwd()})")
+                                f"{os.getcwd()}; a name that begins with a directory there is "
+                                "a path, not a Hub name)")
     try:
         return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError

@@ -34,7 +34,7 @@ PAD = "<|pad|>"        # a separate pad token, so padding is never confused with
 def iter_texts(files):
     """The "text" of every record, shard after shard, read as training reads them (JSON Lines,
     Parquet, text; a bad record stops it naming its shard and line)."""
-    for record in data.Files(files, n_active_shards=1):
+    for record in data.Files(files, n_active_shards=1, required_fields=["text"]):
         yield record["text"]
 
 

@@ -137,17 +137,18 @@ def test_a_changed_create_model_is_told_apart_from_damage(straight, project, tin
 
 
 @pytest.mark.slow
-def test_a_moved_kit_resumes_its_runs_with_the_same_command(tiny_model, tmp_path):
+@pytest.mark.parametrize("before, after", [("kit", "moved-kit[1]"), ("kit[1]", "moved-kit")])
+def test_a_moved_kit_resumes_its_runs_with_the_same_command(tiny_model, tmp_path, before, after):
     """The whole kit (shipped data and tokenizer included) moved to another directory between
-    two starts: the run resumes there from the same command, with the shipped files at their
-    new place, and goes on as a run that never moved."""
-    old = copy_kit(tmp_path / "kit", script="train_llm.py").parent
+    two starts, into or out of one named like a glob: the run resumes there from the same
+    command, with the shipped files at their new place, and goes on as a run that never moved."""
+    old = copy_kit(tmp_path / before, script="train_llm.py").parent
     for name in ("assets", "data"):
         subprocess.run(["cp", "-r", f"{ROOT}/{name}", str(old / name)], check=True)
     args = train_args(tmp_path / "runs", tiny_model, max_steps=2, ckpt_freq=2, val_freq=2)
     first = run_in(old, "train_llm.py", args)
     assert first.returncode == 0, first.stderr[-2000:]
-    new = old.rename(tmp_path / "moved-kit")
+    new = old.rename(tmp_path / after)
     more = [*args, "--max-steps=4"]
     resumed = run_in(new, "train_llm.py", more)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -206,3 +207,19 @@ def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
         "\n    raise OSError('the project save_hf')", 1))
     refused(kit_script("export_hf", [tmp_path / "run", "--out", tmp_path / "out"]),
             "the project save_hf")
+
+
+def test_a_copys_utils_that_cannot_serve_the_scripts_leaves_the_kits_in_place(tmp_path):
+    """A copy without data.py, one whose utils.py is of an older kit, one that does not import:
+    the kit's scripts go on with the kit's modules, which stay the imported ones."""
+    import data
+    import utils
+    (tmp_path / "train.py").write_text("")
+    for files in ({"utils.py": "x = 1"}, {"utils.py": "x = 1", "data.py": ""},
+                  {"utils.py": "import nothing_of_that_name", "data.py": ""}):
+        for name in ("utils.py", "data.py"):
+            (tmp_path / name).unlink(missing_ok=True)
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        assert utils.project_utils(tmp_path, script=tmp_path / "train.py") is utils
+        assert sys.modules["utils"] is utils and sys.modules["data"] is data
