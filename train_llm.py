@@ -277,9 +277,8 @@ def parallelize(model, args, ctx):
 
 
 def compile_model(model, args):
-    """--compile: the model in place (state_dict() keys stay those of the plain model) and the
-    loss, whose softmax Inductor fuses. Returns train_step's loss: sequence_losses with
-    --label-smoothing (evaluate scores the plain cross-entropy, comparable across runs)."""
+    """--compile: the model in place (its state_dict() keys unchanged) and the loss, whose
+    softmax Inductor fuses. Returns train_step's loss (evaluate's is plain cross-entropy)."""
     if args.compile:
         utils.unwrap(model).compile()
     loss = functools.partial(sequence_losses, label_smoothing=args.label_smoothing)
@@ -472,8 +471,10 @@ def train_step(model, batches, ctx, timers, losses, n_domains=0):
 
 def update(optimizers, schedulers):
     """Every optimizer's step, then its schedule's. Returns the learning rates the step used:
-    "lr" (the first optimizer's), and with several optimizers "lr/<class>" of each."""
-    lrs = {f"lr/{type(o).__name__.lower()}": o.param_groups[0]["lr"] for o in optimizers}
+    "lr" (the first optimizer's), and with several "lr/<class>" of each (numbered if alike)."""
+    names = [type(o).__name__.lower() for o in optimizers]
+    lrs = {f"lr/{name}{i if names.count(name) > 1 else ''}": o.param_groups[0]["lr"]
+           for i, (name, o) in enumerate(zip(names, optimizers))}
     for optimizer, scheduler in zip(optimizers, schedulers):
         optimizer.step()
         scheduler.step()
@@ -652,8 +653,7 @@ def get_parser():
     add("--optimizer", choices=["adamw", "muon"], default="adamw",
         help="muon: Muon on the hidden matrices, AdamW on the rest (build_optimizers)")
     add("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
-    add("--label-smoothing", type=finite(0, high=1), default=0.0,
-        help="of the training loss (validation scores plain cross-entropy)")
+    add("--label-smoothing", type=finite(0, high=1), default=0.0, help="of the training loss")
     add("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
         help="clip the gradient norm to this (inf: never)")
 

@@ -101,3 +101,9 @@ def test_a_killed_muon_run_resumes_bit_identically_and_keeps_its_optimizer(tiny_
     assert_same_run(tmp_path / "killed", tmp_path / "straight")
     refused(train(train_args(tmp_path, tiny_model, "killed", max_steps=40)), "--optimizer",
             "'muon'")
+
+
+def test_two_optimizers_of_one_class_log_each_its_lr():
+    two = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr) for lr in (0.1, 0.2)]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in two]
+    assert train_llm.update(two, schedules) == {"lr": 0.1, "lr/sgd0": 0.1, "lr/sgd1": 0.2}
