@@ -432,7 +432,7 @@ class Files(Stage):
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
-        self._reach = None  # the splits this rank can be given (endless streams; see __next__)
+        self._rank_splits = None  # the splits this rank can be given (endless: see __next__)
         self._reading = self.epoch
 
     # -- splits ----------------------------------------------------------------------------
@@ -476,8 +476,8 @@ class Files(Stage):
                 empties.add(empty)
             current = self._reading = self.epoch
             if self.epochs is None and empties:
-                self._reach = self._reach or self._reachable()
-                if empties >= self._reach:
+                self._rank_splits = self._rank_splits or self._find_rank_splits()
+                if empties >= self._rank_splits:
                     break  # endless, and every split this rank can read is empty
         if self.epochs is None:
             rank, world = self.config["rank"], self.config["world_size"]
@@ -511,7 +511,7 @@ class Files(Stage):
         self.shards.keep_arrays({slot["url"] for slot in self.slots})
         return empty
 
-    def _reachable(self):
+    def _find_rank_splits(self):
         """The splits this rank's slots can ever be given: all of them with shuffled epochs,
         else the fixed cycle of positions s, s + S, ... of its slots."""
         n = len(self.splits)
@@ -618,7 +618,7 @@ class Files(Stage):
         self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
                       for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
-        self._reach, self._reading = None, self.epoch
+        self._rank_splits, self._reading = None, self.epoch
 
     def close(self):
         for f in self._files:
@@ -1189,7 +1189,7 @@ class Tokenize(Stage):
         self.config = {"tokenizer": name, "vocab_size": vocab, "column": column,
                        "batch_size": batch_size, "add_special_tokens": add_special_tokens,
                        "max_chars": max_chars}
-        self._pool, self._made = None, threading.local()  # _made: see _work
+        self._pool, self._per_thread = None, threading.local()  # _per_thread: see _work
         self._popped = 0                      # batches taken by __next__ (see _work)
         self._inflight = collections.deque()  # (upstream state before the batch, future)
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
@@ -1268,7 +1268,7 @@ class Tokenize(Stage):
         # The thread frees the id lists it made itself, once their batch has been handed out:
         # a block freed by another thread takes the lock of the malloc arena it came from,
         # which the tokenizer takes all the time (glibc; DESIGN.md section 6).
-        made = self._made.__dict__.setdefault("batches", collections.deque())
+        made = self._per_thread.__dict__.setdefault("batches", collections.deque())
         made.append((seq, ids))
         while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
             made.popleft()

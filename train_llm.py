@@ -391,8 +391,8 @@ def validation_batches(args, tokenizer, domains, rank):
 
 def load_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx):
     """Everything save_checkpoint wrote, the RNG states last (after all else has drawn from
-    them). A file that does not load ends the run in one paragraph (utils.read_checkpoint)."""
-    with utils.read_checkpoint(run, ctx) as ckpt:
+    them). A file that does not load ends the run in one paragraph (utils.CheckpointReader)."""
+    with utils.CheckpointReader(run, ctx) as ckpt:
         if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
             model_state, optim_state = get_state_dict(model, optimizers)
             states = {"model": model_state, "optimizer": optim_state,
@@ -485,7 +485,7 @@ def update(optimizers, schedulers):
 def clip_gradients(model, args, ctx):
     """Clip the gradients' global norm to --grad-clip. Returns the norm on rank 0 and 0 on the
     others: the step's all-reduce sums what every rank adds, and this is the same on all."""
-    norm = utils.full(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+    norm = utils.plain_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
     return norm if ctx.rank == 0 else torch.zeros_like(norm)
 
 

@@ -9,7 +9,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
     Distributed          joining the process group, gradient sync, all-reduces
     RNGs, models         RNG states; unwrap, check_model, load_trained/rebuild_model, export
                          (save_hf), generate
-    Checkpoints          save_checkpoint and read_checkpoint (what the script calls), then the
+    Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
                          bytes: write_checkpoint, DirectFile, Staging, BackgroundWriter,
                          run_state (where a run resumes from), discard_after
 """
@@ -305,8 +305,8 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
-        run.moved = moved_kit(state, script)  # its files are read at the kit's new place
-        state = in_kit(state, run.moved)
+        run.moved = kit_moved(state, script)  # its files are read at the kit's new place
+        state = moved_to_kit(state, run.moved)
         refuse_reshard(exp_dir, state, world_size)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
@@ -315,7 +315,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
             check_unchanged(args, parser, fingerprint, config,
-                            in_kit(json.loads(own.read_text()), run.moved)["config"],
+                            moved_to_kit(json.loads(own.read_text()), run.moved)["config"],
                             f"{state['checkpoint']} was saved", world_size)
         run.state = state  # (a failed re-export below is said to keep the checkpoints)
         if is_done(args, exp_dir, state, why):
@@ -343,7 +343,7 @@ def refuse_reshard(exp_dir, state, world_size):
     saved = state.get("world_size", 1)
     try:
         loader = json.loads((exp_dir / state["checkpoint"] / LOADER_FILE.format(0)).read_text())
-    except (OSError, ValueError):  # (read_checkpoint says what is wrong with it)
+    except (OSError, ValueError):  # (CheckpointReader says what is wrong with it)
         return
     if saved != world_size and (blockers := data.reshard_blockers(loader)):
         sys.exit(f"Cannot resume on {world_size} rank(s) what {saved} saved: the data "
@@ -353,14 +353,14 @@ def refuse_reshard(exp_dir, state, world_size):
                  "section 4. Nothing was changed.")
 
 
-def moved_kit(state, script):
+def kit_moved(state, script):
     """(old, new) directory of the script, where the run was trained by the same script at a
     place that is gone (the kit was moved or renamed), else None."""
     old, new = Path(state.get("script") or script).parent, Path(script).resolve().parent
     return (str(old), str(new)) if old != new and not old.exists() else None
 
 
-def in_kit(saved, moved):
+def moved_to_kit(saved, moved):
     """A saved state (run state, loader state) with the paths into the old place of the kit
     moved to its new one: the shipped data, tokenizer and model resolve there now."""
     if not moved:
@@ -1227,7 +1227,7 @@ def all_reduce_sum(stats, world_size):
     return out
 
 
-def full(tensor):
+def plain_tensor(tensor):
     """A plain tensor of a DTensor (what FSDP2's gradient norm is), else the tensor itself."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -1426,7 +1426,7 @@ def checkpoint_weights(ckpt_dir, weights="model"):
     names another state of the checkpoint that holds the model's weights (an EMA's, saved
     as ema.pt by train_llm.py's ``extra``)."""
     if (ckpt_dir / f"{weights}.pt").exists():
-        return own_weights(load(ckpt_dir / f"{weights}.pt", "cpu"))
+        return averaged_weights(load(ckpt_dir / f"{weights}.pt", "cpu"))
     if weights != "model" and not (ckpt_dir / "dcp").is_dir():
         raise FileNotFoundError(errno.ENOENT, f"no {weights}.pt (--weights {weights})",
                                 str(ckpt_dir / f"{weights}.pt"))
@@ -1436,10 +1436,10 @@ def checkpoint_weights(ckpt_dir, weights="model"):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
-        return own_weights(load(Path(tmp) / "full.pt", "cpu")[weights])
+        return averaged_weights(load(Path(tmp) / "full.pt", "cpu")[weights])
 
 
-def own_weights(state):
+def averaged_weights(state):
     """Model weights in a state of your own: torch.optim.swa_utils.AveragedModel (an EMA)
     saves the model's as "module.NAME", beside its count "n_averaged"."""
     if "n_averaged" in state:
@@ -2001,8 +2001,8 @@ def save_checkpoint(run, files, writer, keep, rank):
     state["checkpoint"] = name  # complete once the writer is done (writer.wait)
 
 
-class read_checkpoint:  # noqa: N801 (used as a context, like open())
-    """The files of the checkpoint a run resumes from: ``with read_checkpoint(run, ctx) as
+class CheckpointReader:
+    """The files of the checkpoint a run resumes from: ``with CheckpointReader(run, ctx) as
     ckpt:`` then ``ckpt.load(name)``, ``ckpt.path(name)``, ``ckpt.load_loader(loader)``,
     ``ckpt.load_rng()``. A file that does not load ends the run in one paragraph that names it
     and the older checkpoint to go on from; a file that loads but does not fit the model is
@@ -2026,8 +2026,9 @@ class read_checkpoint:  # noqa: N801 (used as a context, like open())
         """This rank's loader state; on another number of ranks, the states of all the ranks
         that saved, merged by data.reshard (no document skipped or repeated)."""
         saved_world, ctx = self.run.state.get("world_size", 1), self.ctx
-        states = [in_kit(json.loads(self.path(LOADER_FILE.format(r)).read_text()), self.run.moved)
-                  for r in ([ctx.rank] if saved_world == ctx.world_size else range(saved_world))]
+        ranks = [ctx.rank] if saved_world == ctx.world_size else range(saved_world)
+        states = [moved_to_kit(json.loads(self.path(LOADER_FILE.format(r)).read_text()),
+                               self.run.moved) for r in ranks]
         self.loaded = True
         if saved_world == ctx.world_size:  # (a changed --batch-size is fine: Batch has no state)
             return loader.load_state_dict(states[0])
