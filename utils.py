@@ -1233,20 +1233,12 @@ def plain_tensor(tensor):
 
 
 def join_process_group(backend, rank, world_size, dist_timeout, device):
-    """torch.distributed.init_process_group, in a namespace of this start's own under torchrun.
-
-    A bounded join: a rank that cannot reach the others (one died while the group was forming)
-    fails within ``dist_timeout`` seconds (30 at least), not NCCL's or gloo's default 10 or 30
-    minutes, so that torchrun restarts the group instead of the job hanging. Until the first
-    step is done collectives wait 30 minutes (past_first_step shortens it).
-
-    Why: torchrun's agent keeps one TCPStore for every restart of its worker group, and the
-    keys a group leaves there (each rank's address, for the gloo/NCCL connection) outlive it.
-    A restarted rank could read a dead peer's address before the peer's successor had written
-    its own: its connect failed, and the next restart hung. Here each start (torchrun's
-    restart count and the world size: a group that lost a node restarts with a new count)
-    writes its keys under a prefix of its own. Outside torchrun's agent store (a plain
-    MASTER_ADDR/MASTER_PORT launch): the usual env:// rendezvous.
+    """torch.distributed.init_process_group, under torchrun in a store prefix of this start's
+    own (its restart count and world size: why, DESIGN.md section 4); elsewhere env://. A
+    bounded join: a rank that cannot reach the others fails within ``dist_timeout`` seconds (30
+    at least), not NCCL's or gloo's 10 or 30 minutes, so that torchrun restarts the group
+    instead of the job hanging. Until the first step collectives wait 30 minutes
+    (past_first_step shortens it).
     """
     env = os.environ
     if "MASTER_ADDR" not in env:
@@ -1802,18 +1794,11 @@ def _fsync_dir(path):
 
 
 class DirectFile:
-    """A file opened for writing that bypasses the page cache (O_DIRECT): what is written
-    goes from two reused, page-aligned buffers to the disk.
-
-    Why: a checkpoint is written for a resume that may never come, and a buffered write of
-    1.3 GB cost 0.7-1.1 s of kernel CPU here (copying into the page cache, then reclaiming
-    it), CPU that a background save takes from training; through these buffers it costs the
-    0.2 s of one memcpy, which overlaps with the disk's work: a helper thread writes one
-    buffer (os.write lets go of the GIL) while the other fills. O_DIRECT wants aligned
-    addresses, sizes and offsets, so writes gather in the buffers, the last block is padded
-    with zeros and the file truncated back. ``DirectFile.open`` falls back to an ordinary
-    file where O_DIRECT is refused (tmpfs, macOS); a write refused for its alignment clears
-    O_DIRECT and goes on through the page cache.
+    """A file opened for writing that bypasses the page cache (O_DIRECT): writes gather in two
+    reused, page-aligned buffers, which a helper thread writes in turn (os.write lets go of the
+    GIL); the last block is padded with zeros and the file truncated back. ``open`` falls back
+    to an ordinary file where O_DIRECT is refused, and a write refused for its alignment goes on
+    through the page cache. Why (kernel CPU a buffered write costs): DESIGN.md section 3.
     """
 
     BLOCK, CHUNK = 4096, 8 << 20
@@ -1959,7 +1944,7 @@ def checkpoint_writer(mode, ctx):
     """What writes the checkpoints (--checkpoint-writer): a background thread (BackgroundWriter),
     or the training thread itself (sync). auto: the background on a GPU, whose training thread
     mostly waits for the GPU, and sync on a CPU, whose training threads use every core: there a
-    writer can only take its CPU time from them (README, "Checkpoints off the training path").
+    writer can only take its CPU time from them (DESIGN.md section 3).
     Under torchrun the writer's barriers run on a gloo group of their own: collectives from
     another thread must not interleave with the training loop's on the default group."""
     group = None
@@ -2256,16 +2241,10 @@ class Staging:
 
 class BackgroundWriter:
     """Writes checkpoints off the training path: ``submit(write, files)`` stages ``files``
-    (Staging) and calls ``write(staged)`` in a thread, so training goes on at once.
-
-    A thread, not a process: the staged tensors need no pickling to cross, and the GIL is not
-    what a write costs (a probe thread never waited more than 7 ms for it during a 1.3 GB
-    torch.save); its CPU time is, which a process would take from training all the same
-    (README, "Checkpoints off the training path"). One write at a time: ``submit``
-    first waits for the one before (a save waits for the previous save, and its buffers are
-    reused). A write that fails is raised in the training thread at the next ``check()`` or
-    ``wait()``, so the run stops on it, never silently. ``sync=True``: no thread, no copies;
-    ``submit`` writes the live objects before it returns (--checkpoint-writer sync).
+    (Staging) and calls ``write(staged)`` in a thread (not a process: DESIGN.md section 3), one
+    write at a time (``submit`` first waits for the one before, whose buffers it reuses). A
+    write that fails is raised in the training thread at the next ``check()`` or ``wait()``.
+    ``sync=True``: no thread, no copies; ``submit`` writes the live objects before it returns.
     """
 
     def __init__(self, sync=False, pin_memory=False, group=None, log=print):
