@@ -1,0 +1,116 @@
+"""Score a trained model with lm-evaluation-harness: a run directory (its newest checkpoint), a
+checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name.
+
+    python scripts/evaluate.py outputs/demo                       # the kit's offline tasks
+    python scripts/evaluate.py outputs/demo/checkpoints/step-000400 --tasks kit_bpb
+    python scripts/evaluate.py outputs/demo --tasks hellaswag,arc_easy --limit 500  # internet
+
+The kit ships two tasks made from the sample corpus's validation documents (assets/eval/,
+scripts/make_eval_tasks.py), which need no internet: kit_cloze (multiple choice: a document's
+own continuation among four; accuracy) and kit_bpb (bits per byte of whole documents). Any
+other name is an lm-eval task (downloaded from the Hub). A run's or checkpoint's model is
+rebuilt as generate.py rebuilds it, no export needed; the scores are printed as a table and,
+for a run or checkpoint, appended to the run's eval.jsonl (one line per task, with the step).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+
+KIT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(KIT))
+import utils  # noqa: E402
+
+SHIPPED = KIT / "assets/eval"  # kit_NAME.yaml: a task lm_eval reads from the kit's root
+
+
+def task_configs(names):
+    """Each name as lm_eval takes it: a shipped task as its config (its data file made
+    absolute, so that any directory works), any other as its name."""
+    tasks = []
+    for name in names:
+        path = SHIPPED / f"{name}.yaml"
+        if not path.is_file():
+            tasks.append(name)
+            continue
+        config = yaml.safe_load(path.read_text())
+        files = config["dataset_kwargs"]["data_files"]
+        config["dataset_kwargs"]["data_files"] = {k: str(KIT / v) for k, v in files.items()}
+        tasks.append(config)
+    return tasks
+
+
+def scores(results):
+    """{task: {metric: value}} of lm_eval's results, its ",none" filter suffix dropped."""
+    return {task: {k.removesuffix(",none"): v for k, v in metrics.items()
+                   if "," in k and "stderr" not in k and isinstance(v, (int, float))}
+            for task, metrics in results["results"].items()}
+
+
+def record(path, table, args):
+    """For a run or one of its checkpoints: a line per task in the run's eval.jsonl."""
+    try:
+        ckpt = utils.find_checkpoint(path).resolve()
+    except (OSError, ValueError, KeyError):
+        return None  # a Hugging Face directory or a Hub name: printed only
+    step = json.loads((ckpt / "state.json").read_text())["global_step"]
+    out = ckpt.parent.parent / "eval.jsonl"
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    with open(out, "a") as f:
+        for task, metrics in table.items():
+            f.write(json.dumps({"step": step, "checkpoint": ckpt.name, "task": task,
+                                **metrics, "limit": args.limit, "time": when}) + "\n")
+    return out
+
+
+def main():
+    transformers.utils.logging.disable_progress_bar()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", help="run directory, checkpoint directory, HF directory or name")
+    parser.add_argument("--tasks", default="kit_cloze,kit_bpb",
+                        help="comma-separated: the kit's (kit_cloze, kit_bpb) or lm-eval's")
+    parser.add_argument("--limit", type=utils.at_least(1), default=None,
+                        help="at most this many documents per task")
+    parser.add_argument("--batch-size", type=utils.at_least(1), default=8)
+    parser.add_argument("--device", type=utils.torch_device,
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--script", default=None,
+                        help="the training script whose create_model builds the model "
+                             "(default: the one the run recorded)")
+    args = parser.parse_args()
+    names = [name for name in args.tasks.split(",") if name]
+    if all((SHIPPED / f"{name}.yaml").is_file() for name in names):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files: never the network
+    from lm_eval import simple_evaluate  # (slow to import: after the flags are checked)
+    from lm_eval.models.huggingface import HFLM
+
+    kit = utils.project_utils(args.model, args.script)
+    model, tokenizer, _ = kit.load_trained(args.model, script=args.script)
+    if not isinstance(model, transformers.PreTrainedModel):
+        sys.exit(f"{args.model} trained {type(model).__name__}, a model of its own: "
+                 "lm-evaluation-harness scores transformers models only.")
+    positions = getattr(model.config, "max_position_embeddings", None) or 2048
+    lm = HFLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
+              batch_size=args.batch_size, device=str(args.device), max_length=positions)
+    results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit)
+    table = scores(results)
+    print("| task | metric | value |\n|---|---|---:|")
+    for task, metrics in table.items():
+        for metric, value in metrics.items():
+            print(f"| {task} | {metric} | {value:.4f} |")
+    if (out := record(args.model, table, args)) is not None:
+        print(f"(appended to {out})")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except OSError as e:  # a missing or damaged run, a name that is neither a path nor on the Hub
+        sys.exit(f"{type(e).__name__}: {e}")
