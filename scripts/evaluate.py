@@ -9,8 +9,9 @@ The kit ships two tasks made from the sample corpus's validation documents (asse
 scripts/make_eval_tasks.py), which need no internet: kit_cloze (multiple choice: a document's
 own continuation among four; accuracy) and kit_bpb (bits per byte of whole documents). Any
 other name is an lm-eval task (downloaded from the Hub). A run's or checkpoint's model is
-rebuilt as generate.py rebuilds it, no export needed; the scores are printed as a table and,
-for a run or checkpoint, appended to the run's eval.jsonl (one line per task, with the step).
+rebuilt as generate.py rebuilds it, no export needed; a --task sft model sees each prompt in
+the layout it was trained on. The scores are printed as a table and, for a run or checkpoint,
+appended to the run's eval.jsonl (one line per task, with the step).
 """
 
 import argparse
@@ -45,6 +46,17 @@ def task_configs(names):
         config["dataset_kwargs"]["data_files"] = {k: str(KIT / v) for k, v in files.items()}
         tasks.append(config)
     return tasks
+
+
+def laid_out(tokenizer, layout, data):
+    """A --task sft model's prompts as it was trained on them (utils.prompt_format): through
+    lm-eval's chat-template path, with its tokenizer's chat template ("chat") or the kit's
+    instruction template written as one ("instruction"). Returns whether to take that path."""
+    if layout == "instruction":
+        prompt = data.PROMPT.format(preamble=data.PREAMBLE, instruction="{{ message['content'] }}")
+        tokenizer.chat_template = ("{% for message in messages %}{% if message['role'] == 'user' "
+                                   "%}" + prompt + "{% endif %}{% endfor %}")
+    return layout is not None
 
 
 def scores(results):
@@ -92,14 +104,18 @@ def main():
     from lm_eval.models.huggingface import HFLM
 
     kit = utils.project_utils(args.model, args.script)
-    model, tokenizer, _ = kit.load_trained(args.model, script=args.script)
+    model, tokenizer, config = kit.load_trained(args.model, script=args.script)
+    layout = kit.prompt_format(config)  # pretrained: None, plain text
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{args.model} trained {type(model).__name__}, a model of its own: "
                  "lm-evaluation-harness scores transformers models only.")
     positions = getattr(model.config, "max_position_embeddings", None) or 2048
+    chat = laid_out(tokenizer, layout, kit.data)
     lm = HFLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
-              batch_size=args.batch_size, device=str(args.device), max_length=positions)
-    results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit)
+              batch_size=args.batch_size, device=str(args.device), max_length=positions,
+              add_bos_token=layout == "instruction")  # (as FormatInstructions trained it)
+    results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit,
+                              apply_chat_template=chat)
     table = scores(results)
     print("| task | metric | value |\n|---|---|---:|")
     for task, metrics in table.items():

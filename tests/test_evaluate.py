@@ -2,10 +2,14 @@
 (assets/eval), the same from the run directory as from its hf/ export, and a run's or
 checkpoint's scores go into the run's eval.jsonl with their step."""
 
+import importlib.util
 import json
 
 import pytest
-from helpers import copy_run, script
+from helpers import ROOT, copy_run, script, train, train_args
+from transformers import AutoTokenizer
+
+import data
 
 
 def table(out):
@@ -28,3 +32,30 @@ def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
     assert [(line["task"], line["step"]) for line in lines] == [
         ("kit_cloze", 4), ("kit_bpb", 4), ("kit_bpb", 2)]  # (hf/ is no run: not kept)
     assert lines[1]["bits_per_byte"] == pytest.approx(scores["kit_bpb", "bits_per_byte"], abs=1e-4)
+
+
+def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
+    """The kit's instruction template, given to lm-eval as a chat template, lays a prompt out
+    exactly as FormatInstructions trained it (and as generate.py prompts), text taken as is."""
+    spec = importlib.util.spec_from_file_location("evaluate_script",
+                                                  ROOT / "scripts/evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
+    assert not evaluate.laid_out(tokenizer, None, data)
+    assert evaluate.laid_out(tokenizer, "instruction", data)
+    for text in ("Name three colors.", "a {{ jinja }} {% if %} 'quoted' \\n line\nbreak"):
+        assert tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False,
+            add_generation_prompt=True) == data.instruction_prompt(text)
+
+
+@pytest.mark.slow
+def test_an_sft_run_is_scored_through_its_template(tiny_model, tmp_path, capsys, monkeypatch):
+    result = train(train_args(tmp_path, tiny_model, name="sft", task="sft", seq_length=64,
+                              max_steps=2, val_freq=2, ckpt_freq=2, sample_tokens=0))
+    assert result.returncode == 0, result.stderr
+    out = script("evaluate", [tmp_path / "sft", "--limit", 4, "--tasks", "kit_cloze"], capsys,
+                 monkeypatch)
+    assert 0 <= table(out)["kit_cloze", "acc"] <= 1
+    assert json.loads((tmp_path / "sft/eval.jsonl").read_text())["step"] == 2
