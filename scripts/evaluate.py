@@ -10,8 +10,9 @@ scripts/make_eval_tasks.py), which need no internet: kit_cloze (multiple choice:
 own continuation among four; accuracy) and kit_bpb (bits per byte of whole documents). Any
 other name is an lm-eval task (downloaded from the Hub). A run's or checkpoint's model is
 rebuilt as generate.py rebuilds it, no export needed; a --task sft model sees each prompt in
-the layout it was trained on. The scores are printed as a table and, for a run or checkpoint,
-appended to the run's eval.jsonl (one line per task, with the step).
+the layout it was trained on (kit_cloze's contexts as instructions; kit_bpb is plain text).
+The scores are printed as a table and, for a run or checkpoint, appended to the run's
+eval.jsonl (one line per task, with the step).
 """
 
 import argparse
@@ -24,12 +25,31 @@ from pathlib import Path
 import torch
 import transformers
 import yaml
+from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
 
 KIT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(KIT))
 import utils  # noqa: E402
 
 SHIPPED = KIT / "assets/eval"  # kit_NAME.yaml: a task lm_eval reads from the kit's root
+
+
+class KitLM(HFLM):
+    """lm-eval's transformers model, with BOS before each context of a choice, as training put
+    one before every document and instruction (data.EnsureBosEos, FormatInstructions); not for
+    a chat template, which places its own. (Whole documents get it from lm-eval already.)"""
+
+    def __init__(self, *args, bos_first=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bos_first = bos_first
+
+    def _encode_pair(self, context, continuation):
+        context_enc, continuation_enc = super()._encode_pair(context, continuation)
+        bos = self.tokenizer.bos_token_id
+        if self.bos_first and bos is not None and context_enc[:1] != [bos]:
+            context_enc = [bos] + context_enc
+        return context_enc, continuation_enc
 
 
 def task_configs(names):
@@ -100,8 +120,6 @@ def main():
     names = [name for name in args.tasks.split(",") if name]
     if all((SHIPPED / f"{name}.yaml").is_file() for name in names):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files: never the network
-    from lm_eval import simple_evaluate  # (slow to import: after the flags are checked)
-    from lm_eval.models.huggingface import HFLM
 
     kit = utils.project_utils(args.model, args.script)
     model, tokenizer, config = kit.load_trained(args.model, script=args.script)
@@ -109,11 +127,9 @@ def main():
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{args.model} trained {type(model).__name__}, a model of its own: "
                  "lm-evaluation-harness scores transformers models only.")
-    positions = getattr(model.config, "max_position_embeddings", None) or 2048
     chat = laid_out(tokenizer, layout, kit.data)
-    lm = HFLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
-              batch_size=args.batch_size, device=str(args.device), max_length=positions,
-              add_bos_token=layout == "instruction")  # (as FormatInstructions trained it)
+    lm = KitLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
+               batch_size=args.batch_size, device=str(args.device), bos_first=layout != "chat")
     results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit,
                               apply_chat_template=chat)
     table = scores(results)

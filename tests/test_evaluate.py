@@ -7,7 +7,7 @@ import json
 
 import pytest
 from helpers import ROOT, copy_run, script, train, train_args
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
 
@@ -48,6 +48,16 @@ def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
         assert tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False,
             add_generation_prompt=True) == data.instruction_prompt(text)
+    # BOS before each context, once (as training had it), and none for a chat template's.
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+        ROOT / "assets/tiny-gpt2"))
+    bos = tokenizer.bos_token_id
+    for bos_first, text in ((True, "The river"), (True, tokenizer.bos_token + "The river"),
+                            (False, "The river")):
+        lm = evaluate.KitLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu",
+                            bos_first=bos_first)
+        context, _ = lm._encode_pair(text, " runs")
+        assert context[:2].count(bos) == bos_first, (bos_first, text)
 
 
 @pytest.mark.slow
