@@ -12,7 +12,7 @@ other name is an lm-eval task (downloaded from the Hub). A run's or checkpoint's
 rebuilt as generate.py rebuilds it, no export needed; a --task sft model sees each prompt in
 the layout it was trained on (kit_cloze's contexts as instructions; kit_bpb is plain text).
 The scores are printed as a table and, for a run or checkpoint, appended to the run's
-eval.jsonl (one line per task, with the step).
+eval.jsonl (one line per task, with the step) and logged to its wandb run if it has one.
 """
 
 import argparse
@@ -99,7 +99,30 @@ def record(path, table, args):
         for task, metrics in table.items():
             f.write(json.dumps({"step": step, "checkpoint": ckpt.name, "task": task,
                                 **metrics, "limit": args.limit, "time": when}) + "\n")
+    to_wandb(ckpt.parent.parent, step, table)
     return out
+
+
+def to_wandb(run_dir, step, table):
+    """The scores into the run's own wandb run too, when it logs to one: as eval/TASK/METRIC
+    against eval/step (a run's history goes on past the checkpoint scored)."""
+    state = json.loads((run_dir / "state.json").read_text())
+    flags = state.get("args", {})  # (runs of older versions record no flags: not logged)
+    if not state.get("wandb_run_id") or flags.get("wandb", "disabled") == "disabled":
+        return
+    import wandb
+    try:
+        run = wandb.init(project=flags.get("wandb_project"), name=flags.get("experiment_name"),
+                         id=state["wandb_run_id"], resume="allow", dir=run_dir,
+                         mode=flags["wandb"])
+    except (wandb.errors.Error, ValueError) as e:  # no login, no network: eval.jsonl has them
+        print(f"(not logged to Weights & Biases: {' '.join(str(e).split())[:200]})")
+        return
+    run.define_metric("eval/*", step_metric="eval/step")
+    run.log({"eval/step": step, **{f"eval/{task}/{metric}": value
+                                   for task, metrics in table.items()
+                                   for metric, value in metrics.items()}})
+    run.finish()
 
 
 def main():

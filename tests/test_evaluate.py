@@ -4,9 +4,11 @@ checkpoint's scores go into the run's eval.jsonl with their step."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
-from helpers import ROOT, copy_run, script, train, train_args
+from helpers import ENV, ROOT, copy_run, script, train, train_args
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
@@ -69,3 +71,17 @@ def test_an_sft_run_is_scored_through_its_template(tiny_model, tmp_path, capsys,
                  monkeypatch)
     assert 0 <= table(out)["kit_cloze", "acc"] <= 1
     assert json.loads((tmp_path / "sft/eval.jsonl").read_text())["step"] == 2
+
+
+@pytest.mark.slow
+def test_the_scores_of_a_run_that_logs_to_wandb_go_to_its_wandb_run(tiny_model, tmp_path):
+    result = train(train_args(tmp_path, tiny_model, name="w", max_steps=2, val_freq=2,
+                              ckpt_freq=2, sample_tokens=0, wandb="offline"))
+    assert result.returncode == 0, result.stderr
+    run_id = json.loads((tmp_path / "w/state.json").read_text())["wandb_run_id"]
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "w"),
+                             "--limit", "2", "--tasks", "kit_bpb"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = b"".join(p.read_bytes() for p in (tmp_path / "w/wandb").glob(f"*{run_id}/*.wandb"))
+    assert b"eval/kit_bpb/bits_per_byte" in logged and b"eval/step" in logged
