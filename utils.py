@@ -572,6 +572,23 @@ def read_starts(path):
     return starts
 
 
+def start_wandb(flags, run_id, exp_dir):
+    """The Weights & Biases run of a run (``run_id``: resumed; None: a new one), ``flags`` (its
+    arguments, as a dict) its config. Offline mode (the default) needs no account: `wandb sync`
+    uploads the run later. A start that fails (no login, no network, a bad WANDB_* setting) is
+    an OSError that says what to do."""
+    import wandb
+    try:
+        return wandb.init(project=flags["wandb_project"], name=flags["experiment_name"],
+                          id=run_id, resume="allow", dir=exp_dir, config=flags,
+                          mode=flags["wandb"])
+    except (wandb.errors.Error, ValueError) as e:
+        raise OSError(f"--wandb {flags['wandb']}: Weights & Biases did not start ("
+                      f"{' '.join(str(e).split())[:300]}). Check the WANDB_* environment "
+                      "variables; log in (`wandb login`), or train with --wandb offline and "
+                      "upload the run later with `wandb sync`.") from e
+
+
 class MetricsLog:
     """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, the
     progress bar, and a log line when there is more than the loss to say. Remove wandb here
@@ -585,17 +602,11 @@ class MetricsLog:
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
             # The run id is kept in state.json, so a resumed run continues the same curve.
-            # Offline mode (the default) needs no account: `wandb sync` uploads the run later.
             try:
-                state["wandb_run_id"] = wandb.init(
-                    project=args.wandb_project, name=args.experiment_name,
-                    id=state["wandb_run_id"], resume="allow", dir=exp_dir, config=vars(args),
-                    mode=args.wandb).id
-            except (wandb.errors.Error, ValueError) as e:  # no login, no network, bad WANDB_*
-                sys.exit(f"--wandb {args.wandb}: Weights & Biases did not start ("
-                         f"{' '.join(str(e).split())[:300]}). Check the WANDB_* environment "
-                         "variables; log in (`wandb login`), or train with --wandb offline and "
-                         "upload the run later with `wandb sync`. Nothing was changed.")
+                state["wandb_run_id"] = start_wandb(vars(args), state["wandb_run_id"],
+                                                    exp_dir).id
+            except OSError as e:
+                sys.exit(f"{e} Nothing was changed.")
             atexit.register(self.send)  # a run that dies (diverged, bad data) sends the rest
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0)

@@ -110,13 +110,10 @@ def to_wandb(run_dir, step, table):
     flags = state.get("args", {})  # (runs of older versions record no flags: not logged)
     if not state.get("wandb_run_id") or flags.get("wandb", "disabled") == "disabled":
         return
-    import wandb
     try:
-        run = wandb.init(project=flags.get("wandb_project"), name=flags.get("experiment_name"),
-                         id=state["wandb_run_id"], resume="allow", dir=run_dir,
-                         mode=flags["wandb"])
-    except (wandb.errors.Error, ValueError) as e:  # no login, no network: eval.jsonl has them
-        print(f"(not logged to Weights & Biases: {' '.join(str(e).split())[:200]})")
+        run = utils.start_wandb(flags, state["wandb_run_id"], run_dir)
+    except OSError as e:  # no login, no network: eval.jsonl has the scores
+        print(f"(not logged: {e})")
         return
     run.define_metric("eval/*", step_metric="eval/step")
     run.log({"eval/step": step, **{f"eval/{task}/{metric}": value
