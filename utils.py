@@ -10,7 +10,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
     RNGs, models         RNG states; unwrap, check_model, load_trained/rebuild_model, export
                          (save_hf), generate
     Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
-                         bytes: write_checkpoint, DirectFile, Staging, BackgroundWriter,
+                         bytes: write_checkpoint, DirectFile, BackgroundWriter,
                          run_state (where a run resumes from), discard_after
 """
 
@@ -18,7 +18,6 @@ import argparse
 import atexit
 import concurrent.futures
 import contextlib
-import copy
 import ctypes
 import datetime
 import errno
@@ -53,6 +52,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import tqdm
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import data
 
@@ -277,7 +277,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     would overwrite this one's checkpoints) and logs into its train.log. A run resumes iff its
     directory holds a complete checkpoint (run_state), with the flags of ``fingerprint`` it was
     started with (check_unchanged): checked first, so a refusal or "done" costs nothing, and
-    every rank decides alike. A done run whose hf/ is missing or stale is exported again.
+    every rank decides alike. A done run whose hf/ is missing or stale says how to export it.
     ``script``: the training script, recorded so that its create_model rebuilds the model.
     """
     global RUN
@@ -323,8 +323,10 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                 sys.exit(f"--resume-from {args.resume_from} with --max-steps {args.max_steps} "
                          "trains nothing: nothing was changed. Raise --max-steps to train on "
                          "from it.")
-            if rank == 0:
-                export_again_if_stale(exp_dir, state["checkpoint"])
+            if rank == 0 and not export_is_current(exp_dir / "hf", state["checkpoint"]):
+                LOGGER.warning(f"{exp_dir / 'hf'} holds no whole export of {state['checkpoint']} "
+                               "(a kill or a full disk as the run ended?): `python "
+                               f"scripts/export_hf.py {exp_dir}` writes it.")
             return None
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
@@ -505,20 +507,6 @@ def file_digests(args):
     wanted += [Path(args.model_name, "config.json")] if args.model_name else []
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in wanted
             if path.is_file()}
-
-
-def export_again_if_stale(exp_dir, checkpoint):
-    """A finished run whose hf/ is missing, half-written or of an older checkpoint (a kill or a
-    full disk during the export at its end) is exported from its last checkpoint."""
-    if export_is_current(exp_dir / "hf", checkpoint):
-        return
-    model, tokenizer, config = load_trained(exp_dir / checkpoint)
-    if not is_transformers(model):  # a model of your own: nothing to export
-        return
-    LOGGER.info(f"Its export {exp_dir / 'hf'} is missing or not of {checkpoint}: exporting it "
-                "again")
-    save_hf(exp_dir / "hf", model, tokenizer, config, checkpoint=checkpoint, owned=True)
-    LOGGER.info(f"Exported the model for transformers: {exp_dir / 'hf'}")
 
 
 def log_to_file(path, rank):
@@ -2186,80 +2174,21 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
     return state["checkpoint"]
 
 
-class Staging:
-    """CPU copies of a checkpoint's tensors, in memory kept from one save to the next.
-
-    ``stage(obj)`` returns ``obj`` (nested dicts, lists, tuples) with every tensor replaced by
-    its copy, so that training can change the originals at once while the copy is written.
-    The copies reuse the buffers of the previous save (keyed by where the tensor sits, pinned
-    on CUDA for fast asynchronous device-to-host copies), so staging allocates only at the
-    first save. A tensor that appears twice (tied weights) is copied once and stays shared.
-    A DTensor (FSDP) keeps its layout: only its local shard is copied.
-    """
-
-    def __init__(self, pin_memory=False):
-        self.pin_memory, self.buffers = pin_memory, {}
-
-    def stage(self, obj):
-        return self._copy(obj, (), {})
-
-    def nbytes(self):
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def _copy(self, obj, path, seen):
-        """``obj`` with its tensors copied. Whatever appears twice (a tied weight, the betas
-        tuple that every optimizer group shares) is copied once and stays shared, so that
-        torch.save writes the very same bytes as for the live objects."""
-        if id(obj) in seen:
-            return seen[id(obj)]
-        if isinstance(obj, torch.Tensor):
-            # state_dict() gives tied weights as two tensors over one storage: two tensors
-            # over one staged storage (torch.save writes it once).
-            local = obj.to_local() if hasattr(obj, "to_local") else obj
-            view = (local.untyped_storage().data_ptr(), local.storage_offset(),
-                    tuple(local.shape), tuple(local.stride()), local.dtype, local.device)
-            out = seen[view].detach() if view in seen else self._copy_tensor(obj, path)
-            seen[view] = out
-        elif isinstance(obj, dict):  # (a state_dict is an OrderedDict with _metadata)
-            out = type(obj)((k, self._copy(v, (*path, k), seen)) for k, v in obj.items())
-            if hasattr(obj, "_metadata"):
-                out._metadata = obj._metadata
-        elif isinstance(obj, list):
-            out = [self._copy(v, (*path, i), seen) for i, v in enumerate(obj)]
-        elif isinstance(obj, tuple):
-            items = [self._copy(v, (*path, i), seen) for i, v in enumerate(obj)]
-            # Immutable: the tuple itself, unless it holds something that was copied.
-            out = obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
-        else:
-            return obj if isinstance(obj, (int, float, str, bytes, bool, type(None))) \
-                else copy.deepcopy(obj)
-        seen[id(obj)] = out
-        return out
-
-    def _copy_tensor(self, tensor, path):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin_memory)
-            self.buffers[path] = buffer
-        buffer.copy_(local.detach(), non_blocking=self.pin_memory)
-        if local is tensor:
-            return buffer
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements,
-                                  shape=tensor.shape, stride=tensor.stride(), run_check=False)
-
-
 class BackgroundWriter:
     """Writes checkpoints off the training path: ``submit(write, files)`` stages ``files``
-    (Staging) and calls ``write(staged)`` in a thread (not a process: DESIGN.md section 3), one
+    (torch's DefaultStager) and calls ``write(staged)`` in a thread (DESIGN.md section 3), one
     write at a time (``submit`` first waits for the one before, whose buffers it reuses). A
     write that fails is raised in the training thread at the next ``check()`` or ``wait()``.
     ``sync=True``: no thread, no copies; ``submit`` writes the live objects before it returns.
     """
 
     def __init__(self, sync=False, pin_memory=False, group=None, log=print):
-        self.sync, self.staging, self.log = sync, Staging(pin_memory), log
+        # torch's stager keeps the CPU copies (pinned on CUDA) from one save to the next, keyed
+        # by the tensors' storages: tied weights stay shared, and only the first save allocates.
+        self.stager = None if sync else DefaultStager(StagingOptions(
+            use_pinned_memory=pin_memory, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=pin_memory))
+        self.sync, self.log = sync, log
         self.group = group  # a process group for the writes' barriers (None: one process)
         self.thread, self.error = None, None
 
@@ -2277,30 +2206,19 @@ class BackgroundWriter:
             held = time.perf_counter() - start
             self.log(f"Saved {name} in {held:.2f} s (synchronously: training waited)")
             return held
-        staged = self.staging.stage(files)
-        ready = None
-        if self.staging.pin_memory:  # the copies from the GPU run asynchronously
-            ready = torch.cuda.Event()
-            ready.record()
+        staged = self.stager.stage(files)  # (on CUDA it waits for the copies to be done)
         held, now = time.perf_counter() - start, time.perf_counter()
         # The rest of the wait was for the save before (--ckpt-freq steps took less than it).
         self.log(f"Saving {name} in the background (training waited {held:.2f} s, "
-                 f"{now - staging:.2f} s of it to stage {self.staging.nbytes() / GiB:.2f} GiB)")
-        self.thread = threading.Thread(target=self._write, args=(name, write, staged, ready),
+                 f"{now - staging:.2f} s of it to stage the copies)")
+        self.thread = threading.Thread(target=self._write, args=(name, write, staged),
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()
         return held
 
-    def _write(self, name, write, staged, ready):
+    def _write(self, name, write, staged):
         start = time.perf_counter()
-        if hasattr(os, "SCHED_IDLE") and sys.platform.startswith("linux"):
-            # This thread alone (a Linux thread is a task of its own) runs only when a core
-            # has nothing else to do: where training keeps every core busy (a CPU run), the
-            # writer takes what is left.
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
         try:
-            if ready is not None:
-                ready.synchronize()
             write(staged)
             self.log(f"Saved {name} (written in the background in "
                      f"{time.perf_counter() - start:.2f} s)")

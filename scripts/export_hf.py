@@ -3,12 +3,14 @@ config and tokenizer), for transformers, vLLM, llama.cpp's converters and the re
 copy of the kit (the script renamed, its create_model changed) works too: the model is rebuilt
 by the script the run recorded, with the copy's own utils.py and data.py.
 
+    python scripts/export_hf.py outputs/demo              # the run's own hf/, written again
     python scripts/export_hf.py outputs/demo --out demo-hf
     python scripts/export_hf.py outputs/demo --checkpoint outputs/demo/checkpoints/step-000400 \
         --out demo-400
 
-A run writes {run}/hf/ by itself when it ends; this does the same for any checkpoint, from
-DDP (model.pt) or FSDP (dcp/) runs. --out must not exist yet, or be an earlier export (its
+A run writes {run}/hf/ by itself when it ends; without --out this writes it again (after a kill
+or a full disk during that export), and it does the same for any checkpoint, from DDP
+(model.pt) or FSDP (dcp/) runs. --out must not exist yet, or be an earlier export (its
 train_llm.json tells): nothing else is ever replaced.
 """
 
@@ -28,7 +30,8 @@ def main():
     parser.add_argument("run_dir", type=Path, help="an experiment directory of train_llm.py")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a checkpoint directory of that run (default: the newest complete)")
-    parser.add_argument("--out", type=Path, required=True, help="the directory to write")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the directory to write (default: the run's own hf/)")
     parser.add_argument("--script", default=None,
                         help="the training script whose create_model builds the model "
                              "(default: the one the run recorded)")
@@ -49,7 +52,15 @@ def main():
         checkpoint = source
     else:
         checkpoint = kit.find_checkpoint(source).resolve()
-    kit.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint))
+    own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
+    if args.out is None and not (args.run_dir / "state.json").exists():
+        sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
+    args.out = args.out or own
+    owned = args.out.resolve() == own.resolve() and (args.run_dir / "state.json").exists()
+    if owned and args.checkpoint is None:  # as the run writes it: the path inside the run
+        checkpoint = checkpoint.relative_to(args.run_dir.resolve())
+    kit.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint),
+                owned=owned)
     print(f"Wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 

@@ -1,6 +1,7 @@
-"""After training: the hf/ export (the last checkpoint's weights, written again when a kill or
-a full disk cut it short, never over what the kit did not write), scripts/export_hf.py,
-scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."""
+"""After training: the hf/ export (the last checkpoint's weights; scripts/export_hf.py writes it
+again when a kill or a full disk cut it short; never over what the kit did not write),
+scripts/export_hf.py, scripts/generate.py, and --init-from (its weights exactly, its tokenizer
+kept)."""
 
 import json
 import resource
@@ -219,11 +220,11 @@ def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps, tmp_path,
-                                                                     tiny_model):
+def test_a_finished_run_whose_export_was_cut_short_says_so_and_export_hf_mends_it(
+        four_steps, tmp_path, tiny_model, capsys, monkeypatch):
     """What a kill during the end-of-run export of a resumed run leaves: the previous end's
-    hf/ (of step 2) and a half-written hf.tmp. The rerun that says "is done" writes hf/ of the
-    last checkpoint. (No hf/ at all: see the full-disk test below.)"""
+    hf/ (of step 2) and a half-written hf.tmp. The rerun that says "is done" names the command
+    (it exports nothing itself), and export_hf.py RUN writes hf/ of the last checkpoint."""
     exp = copy_run(four_steps, tmp_path)
     assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
     shutil.rmtree(exp / "hf")
@@ -235,11 +236,15 @@ def test_a_finished_run_whose_export_was_cut_short_is_exported_again(four_steps,
     assert not utils.export_is_current(exp / "hf", "checkpoints/step-000002")
     result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
     assert result.returncode == 0, result.stderr
-    assert "is done" in result.stderr and "exporting it again" in result.stderr
+    assert "is done" in result.stderr and f"scripts/export_hf.py {exp}" in result.stderr
+    assert (exp / "hf.tmp").exists()  # the rerun changed nothing
+    script("export_hf", [exp], capsys, monkeypatch)
     assert not (exp / "hf.tmp").exists()
     assert same_weights(weights(exp / "hf"),
                         utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
     assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
+    assert "is done" in result.stderr and "export_hf.py" not in result.stderr
 
 
 @pytest.mark.slow
@@ -253,7 +258,9 @@ def test_an_export_missing_a_file_it_wrote_is_not_current(four_steps, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, tiny_model):
+def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, capsys, monkeypatch):
+    """export_hf.py on a disk that fills: one paragraph, nothing half-written left, and the
+    same command once there is room writes the whole export."""
     exp = copy_run(four_steps, tmp_path)
     shutil.rmtree(exp / "hf")
     limit = (exp / "checkpoints/step-000004/model.pt").stat().st_size // 2
@@ -261,14 +268,11 @@ def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, ti
     def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    result = subprocess.run(
-        [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
-                                                     max_steps=4)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+    result = subprocess.run([sys.executable, "scripts/export_hf.py", str(exp)], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
     refused(result, f"writing {exp / 'hf'} failed", "GiB free on that disk")
     assert not (exp / "hf").exists() and not (exp / "hf.tmp").exists()
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
-    assert result.returncode == 0 and "exporting it again" in result.stderr, result.stderr
+    script("export_hf", [exp], capsys, monkeypatch)
     assert same_weights(weights(exp / "hf"),
                         utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
 

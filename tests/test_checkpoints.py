@@ -64,26 +64,28 @@ def model_and_optimizer(tiny_model):
     return model, optimizer
 
 
-def test_staging_copies_exactly_and_does_not_grow(model_and_optimizer):
+def test_staging_copies_exactly_and_reuses_its_buffers(model_and_optimizer):
     model, optimizer = model_and_optimizer
-    staging = utils.Staging()
-    sizes = []
-    for _ in range(10):
-        staged = staging.stage({"model.pt": model.state_dict(),
-                                "optimizer.pt": optimizer.state_dict(),
-                                "loader.json": {"slots": [{"offset": 5}]}})
-        sizes.append(staging.nbytes())
-    assert len(set(sizes)) == 1  # no growth
+    writer = utils.BackgroundWriter(log=lambda message: None)
+    staged = []
+    for _ in range(3):
+        staged.append(writer.stager.stage({"model.pt": model.state_dict(),
+                                           "optimizer.pt": optimizer.state_dict(),
+                                           "loader.json": {"slots": [{"offset": 5}]}}))
+    # Every save after the first copies into the first one's buffers: no growth.
+    first, last = (s["model.pt"] for s in (staged[0], staged[-1]))
+    assert all(first[k].data_ptr() == last[k].data_ptr() for k in first)
     live = model.state_dict()
-    assert all(torch.equal(staged["model.pt"][k], live[k]) for k in live)
-    assert staged["optimizer.pt"]["param_groups"] == optimizer.state_dict()["param_groups"]
-    # Tied weights stay one tensor (written once), and training may change the originals.
+    assert all(torch.equal(last[k], live[k]) for k in live)
+    assert staged[-1]["optimizer.pt"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert staged[-1]["loader.json"] == {"slots": [{"offset": 5}]}
+    # Tied weights stay one storage (written once), and training may change the originals.
     tied = [k for k in live if live[k] is live["transformer.wte.weight"]]
-    assert len({id(staged["model.pt"][k]) for k in tied}) == 1
-    before = staged["model.pt"]["transformer.wte.weight"].clone()
+    assert len({last[k].untyped_storage().data_ptr() for k in tied}) == 1
+    before = last["transformer.wte.weight"].clone()
     with torch.no_grad():
         model.transformer.wte.weight.add_(1.0)
-    assert torch.equal(staged["model.pt"]["transformer.wte.weight"], before)
+    assert torch.equal(last["transformer.wte.weight"], before)
 
 
 def test_a_failed_background_write_is_raised_in_the_training_thread():
