@@ -4,7 +4,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
 
     Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
     The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
-                         resume, args.json), MetricsLog, the loop's refusals, cli
+                         resume), MetricsLog, the loop's refusals, cli
     Measuring            Timer, GarbageCollection, memory, MFU, the profiler, cross_entropy
     Distributed          joining the process group, gradient sync, all-reduces
     RNGs, models         RNG states; unwrap, check_model, load_trained/rebuild_model, export
@@ -239,10 +239,10 @@ class Run:
 
     def begin_training(self, args, ctx, loader, extra=()):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
-        debris of unfinished saves), so that metrics.jsonl holds every step once, and record
-        this start in args.json. From here on a failure keeps the directory. --resume-from
-        lets later checkpoints go: every rank reads its data first (a changed shard fails).
-        ``extra`` (train_llm.py's) may not take a name of a file the kit writes."""
+        debris of unfinished saves), so that metrics.jsonl holds every step once. From here on
+        a failure keeps the directory. --resume-from lets later checkpoints go: every rank
+        reads its data first (a changed shard fails). ``extra`` (train_llm.py's) may not take
+        a name of a file the kit writes."""
         taken = [name for name in extra if name in (*KIT_STATES, "dcp", "state") or
                  name.startswith("rng-rank")]
         if taken:
@@ -263,7 +263,6 @@ class Run:
             if not self.state["checkpoint"]:  # a start from scratch: what was logged is not its
                 set_aside(self.dir / "metrics.jsonl")
             discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
-            record_args(self.dir / "args.json", args, world_size)
             if args.resume_from:  # state.json must not name a checkpoint just discarded
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
         self.state["world_size"] = world_size
@@ -271,15 +270,9 @@ class Run:
 
 
 def open_run(args, parser, fingerprint, rank, world_size, script):
-    """The Run to train (fresh, or resumed from its checkpoint), or None if it is done.
-
-    Rank 0 makes the directory, locks it for as long as the process lives (a second run there
-    would overwrite this one's checkpoints) and logs into its train.log. A run resumes iff its
-    directory holds a complete checkpoint (run_state), with the flags of ``fingerprint`` it was
-    started with (check_unchanged): checked first, so a refusal or "done" costs nothing, and
-    every rank decides alike. A done run whose hf/ is missing or stale says how to export it.
-    ``script``: the training script, recorded so that its create_model rebuilds the model.
-    """
+    """The Run to train (fresh, or resumed from its checkpoint), or None if it is done: the
+    lock, train.log, the refusals, where to resume (DESIGN.md section 3). ``script``: the
+    training script, recorded so that its create_model rebuilds the model."""
     global RUN
     logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
@@ -293,8 +286,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     RUN = run = Run(exp_dir, rank, created, lock_file)
     for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
         signal.signal(signum, stop_at_once)
-    LOGGER.info(args)
-    read_starts(exp_dir / "args.json")  # (a file edited by hand: refused now, not later)
+    LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
     config = {name: getattr(args, name) for name in fingerprint}
@@ -532,32 +524,6 @@ class QuietFileHandler(logging.FileHandler):
         if stream is not None:
             with contextlib.suppress(OSError):  # closing flushes, which fails again
                 stream.close()
-
-
-def record_args(path, args, world_size):
-    """Append this start's full arguments to args.json, and what changed since the last one
-    (--max-steps raised on resume, say): a run's history of how it was called."""
-    starts = read_starts(path)
-    now = {**vars(args), "world_size": world_size}
-    before = starts[-1]["args"] if starts else now
-    starts.append({"started": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "command": shlex.join(sys.argv), "args": now,
-                   "changed": {k: [before.get(k), v] for k, v in now.items()
-                               if before.get(k) != v}})
-    write_atomic(path, json.dumps(starts, indent=2))
-
-
-def read_starts(path):
-    """The starts args.json records; a file edited by hand into something else is one
-    paragraph (checked when the run opens, before anything is loaded)."""
-    try:
-        starts = json.loads(path.read_text()) if path.exists() else []
-        if not isinstance(starts, list):
-            raise ValueError("not a list")
-    except ValueError as e:
-        sys.exit(f"{path} is not the JSON list of starts that the kit writes ({e}). Mend it, "
-                 "or move it away, and rerun. Nothing was changed.")
-    return starts
 
 
 def start_wandb(flags, run_id, exp_dir):
@@ -831,9 +797,8 @@ def tell_torchrun(message, cause=True):
 
 
 def forget_failed_start():
-    """Remove what a start that failed before training made: its train.log and lock, then
-    each directory it created, from the run's upward, while it is empty (another run may have
-    been started in a --save-dir this one created): a mistyped flag leaves nothing behind."""
+    """Remove what a start that failed before training made (train.log, the lock, each new
+    directory while it is empty): a mistyped flag leaves nothing behind."""
     if RUN is None or not RUN.created or RUN.training:
         return
     for name in ("train.log", ".lock"):
@@ -1158,12 +1123,8 @@ def die_with_parent():
 
 
 def lock(exp_dir):
-    """Hold an exclusive lock on the run directory for as long as this process lives.
-
-    Two runs in one directory would overwrite each other's checkpoints (and a resuming run
-    deletes what the other logged ahead of it). The kernel drops the lock when the process
-    dies, however it dies, so a killed run never leaves a stale lock behind.
-    """
+    """Hold an exclusive lock on the run directory for as long as this process lives (two runs
+    there would overwrite each other); the kernel drops it however the process dies."""
     f = open(exp_dir / ".lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1187,12 +1148,9 @@ def deterministic():
 
 
 def gradient_sync(model, enabled):
-    """A context in which backward does (or does not) average gradients across ranks.
-
-    With gradient accumulation only the last micro-batch's backward needs to communicate:
-    the others just add to the local gradients. DDP says so with no_sync(), FSDP2 with
-    set_requires_gradient_sync(); a single process has nothing to sync.
-    """
+    """A context in which backward does (or does not) average gradients across ranks: with
+    gradient accumulation only the last micro-batch's needs to (DDP: no_sync(), FSDP2:
+    set_requires_gradient_sync())."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
     elif hasattr(model, "no_sync") and not enabled:  # DDP
@@ -1233,12 +1191,9 @@ def plain_tensor(tensor):
 
 def join_process_group(backend, rank, world_size, dist_timeout, device):
     """torch.distributed.init_process_group, under torchrun in a store prefix of this start's
-    own (its restart count and world size: why, DESIGN.md section 4); elsewhere env://. A
-    bounded join: a rank that cannot reach the others fails within ``dist_timeout`` seconds (30
-    at least), not NCCL's or gloo's 10 or 30 minutes, so that torchrun restarts the group
-    instead of the job hanging. Until the first step collectives wait 30 minutes
-    (past_first_step shortens it).
-    """
+    own; a rank that cannot reach the others fails within ``dist_timeout`` seconds (30 at
+    least), so that torchrun restarts the group (DESIGN.md section 4). Until the first step
+    collectives wait 30 minutes (past_first_step shortens it)."""
     env = os.environ
     if "MASTER_ADDR" not in env:
         sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
@@ -1956,12 +1911,9 @@ def checkpoint_writer(mode, ctx):
 
 
 def save_checkpoint(run, files, writer, keep, rank):
-    """Save this rank's ``files`` ({name: object}) as checkpoints/step-NNNNNN of the run's
-    current step and point state.json at it, through ``writer`` (in the background, or here):
-    write_checkpoint keeps the order that survives a kill at any instant. A value "dcp" is a
-    state dict that every rank writes its shards of (torch.distributed.checkpoint). If this
-    step's checkpoint exists already (the data ran out right after a save), only state.json is
-    rewritten."""
+    """Save this rank's ``files`` ({name: object}; "dcp": a state dict that every rank writes its
+    shards of) as the checkpoint of the run's current step, through ``writer``. If it exists
+    already (the data ran out right after a save), only state.json is rewritten."""
     state = run.state
     step, name = state["global_step"], f"checkpoints/step-{state['global_step']:06d}"
     if state["checkpoint"] == name:
@@ -2101,12 +2053,9 @@ def damaged_checkpoint(ckpt_dir, path, error):
 
 
 def export_hf(model, tokenizer, run, ctx):
-    """The run's model in the Hugging Face layout (safetensors) with its tokenizer, as the
-    run's hf/, so that AutoModelForCausalLM.from_pretrained works anywhere: written when a run
-    ends, from the weights of its last checkpoint; ``train_llm.json`` beside it records the
-    run's config. With FSDP every rank takes part in gathering the full weights; rank 0
-    writes them. A model of your own (create_model) has no such layout: its checkpoints are
-    its export."""
+    """The run's model in the Hugging Face layout, with its tokenizer, as the run's hf/ (every
+    rank gathers FSDP's shards, rank 0 writes). A model of your own (create_model) has no such
+    layout: its checkpoints are its export."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
     if not is_transformers(unwrap(model)):
@@ -2125,18 +2074,10 @@ def export_hf(model, tokenizer, run, ctx):
 
 def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
     """Write ``files`` ({name: object}) as checkpoints/step-NNNNNN, point state.json at it,
-    then delete all but the newest ``keep`` checkpoints.
-
-    Order is everything: the files are written into step-NNNNNN.tmp and fsynced, the directory
-    is renamed (atomic), and only then is state.json replaced (atomic). A kill at any instant
-    leaves state.json naming a complete checkpoint: the new one or the one before.
-
-    Under torchrun every rank calls this with the files it writes (its loader state, say);
-    rank 0 makes the directory and, once all ranks are past the second barrier, renames it.
-    A value that is a function is called with its path: a writer that all ranks run together
-    (torch.distributed.checkpoint). With several nodes, --save-dir must be a shared file system.
-    Returns the checkpoint's path relative to ``exp_dir``, which the saved state names.
-    """
+    then delete all but the newest ``keep`` of the run's own checkpoints. Order is everything:
+    a kill at any instant leaves state.json naming a complete checkpoint (DESIGN.md section 3).
+    Every rank calls it with its own files; a value that is a function is called with its path
+    (dcp.save, which all ranks run together). Returns the checkpoint's path in ``exp_dir``."""
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -2246,14 +2187,10 @@ def complete_checkpoints(exp_dir):
 
 
 def run_state(exp_dir, resume_from=None):
-    """(the run state to resume from, or None to start afresh; why, for the log).
-
-    state.json names the newest complete checkpoint, and each checkpoint carries a copy of the
-    state it was saved with. So a lost or torn state.json, or a kill between a checkpoint's
-    rename and the replacement of state.json, still resumes from the newest complete
-    checkpoint. ``resume_from`` picks an older one on purpose (to roll back past a loss spike).
-    Nothing is deleted here: a state that cannot be found is a refusal, never a fresh start.
-    """
+    """(the run state to resume from, or None to start afresh; why, for the log): state.json's,
+    or the newest complete checkpoint's own copy where state.json is lost, torn or behind
+    (DESIGN.md section 3); ``resume_from`` picks an older one on purpose. Nothing is deleted
+    here: a state that cannot be found is a refusal, never a fresh start."""
     complete = complete_checkpoints(exp_dir)
     if resume_from:
         path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it
@@ -2289,12 +2226,8 @@ def run_state(exp_dir, resume_from=None):
 
 
 def discard_after(exp_dir, step, run_id=None):
-    """Forget what a killed run did after the checkpoint we resume from (``step``).
-
-    It may have logged steps past it and written newer or half-finished checkpoints that
-    state.json never named. They are replaced by what this run does, so that metrics.jsonl
-    holds every step exactly once. Only checkpoints of this run (``run_id``) are deleted.
-    """
+    """Forget what a killed run did after the checkpoint we resume from (``step``): steps it
+    logged past it, newer or half-finished checkpoints of this run (``run_id``) alone."""
     for dir_step, path in _step_dirs(exp_dir).items():
         if dir_step > step and saved_by(path)[0] == run_id:
             shutil.rmtree(path)

@@ -137,19 +137,10 @@ def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_hand_edits_of_args_json_and_metrics_jsonl_give_no_traceback(ten_steps, tmp_path,
-                                                                     tiny_model):
-    """args.json broken by hand is refused before anything changes; notes a user added to
-    metrics.jsonl stay through a resume. A copied run gets a wandb run of its own."""
+def test_notes_added_to_metrics_jsonl_stay_through_a_resume(ten_steps, tmp_path, tiny_model):
+    """Notes a user added to metrics.jsonl stay through a resume. A copied run gets a wandb
+    run of its own."""
     exp = copy_run(ten_steps, tmp_path)
-    args_json = exp / "args.json"
-    good = args_json.read_text()
-    args_json.write_text(good.rstrip()[:-1] + ",]")  # a trailing comma
-    before = snapshot(exp)
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=12, ckpt_freq=5))
-    refused(result, f"{args_json} is not the JSON list of starts", "Nothing was changed")
-    assert snapshot(exp) == before
-    args_json.write_text(good)
     with open(exp / "metrics.jsonl", "a") as f:
         f.write('"lr looked high here"\n{"note": "try 3e-3"}\n')
     for state in (exp / "state.json", exp / "checkpoints/step-000010/state.json"):
