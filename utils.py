@@ -3,12 +3,14 @@ decides how training goes (that is the script's), and nothing here imports the s
 records its script's path, and the model is rebuilt from it (load_trained).
 
     Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
+    The loss             cross_entropy (ChunkedCrossEntropy), label smoothing included
     The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
                          resume), MetricsLog, the loop's refusals, cli
-    Measuring            Timer, GarbageCollection, memory, MFU, the profiler, cross_entropy
+    Measuring            Timer, GarbageCollection, memory, MFU, the profiler
     Distributed          joining the process group, gradient sync, all-reduces
-    RNGs, models         RNG states; unwrap, check_model, load_trained/rebuild_model, export
-                         (save_hf), generate
+    RNGs                 RNG states, the states of several optimizers
+    Models               unwrap, check_model, load_trained/rebuild_model, export (save_hf),
+                         generate
     Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
                          bytes: write_checkpoint, DirectFile, BackgroundWriter,
                          run_state (where a run resumes from), discard_after
@@ -219,6 +221,70 @@ def _physical_memory():
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss: what train_llm.py's compile_model and sequence_losses call
+# ----------------------------------------------------------------------------------------------
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of [N, V] logits, ``rows`` rows at a time in float32.
+
+    F.cross_entropy of bf16 logits upcasts all of them to float32 and keeps the float32
+    log-probabilities for backward, whose gradient is float32 too: [N, V] float32 tensors are
+    the largest of the step (GPT-2, 16 x 1024 tokens: 3.3 GB each). Here only one chunk of rows
+    is float32 at a time. Forward keeps the logits in their own dtype and each row's
+    log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0; other
+    targets must be valid class ids (no check here, unlike F.cross_entropy's). ``smoothing``
+    is F.cross_entropy's label_smoothing: the target is 1 - s on the label plus s / V on each.
+    """
+
+    @staticmethod
+    @torch.profiler.record_function("cross_entropy")  # a range of its own in a profile
+    def forward(ctx, logits, targets, rows, smoothing):
+        loss = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(loss)
+        for start in range(0, len(targets), rows):
+            chunk, part = logits[start:start + rows].float(), slice(start, start + rows)
+            lse[part] = chunk.logsumexp(dim=1)
+            picked = chunk.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]
+            loss[part] = lse[part] - (1 - smoothing) * picked
+            if smoothing:
+                loss[part] -= smoothing * chunk.mean(dim=1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.rows, ctx.smoothing = rows, smoothing
+        return loss.masked_fill_(targets == -100, 0)
+
+    @staticmethod
+    @torch.profiler.record_function("cross_entropy_backward")
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        grad = grad.masked_fill(targets == -100, 0)
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, len(targets), ctx.rows):
+            rows = slice(start, start + ctx.rows)
+            softmax = (logits[rows].float() - lse[rows, None]).exp_()
+            if ctx.smoothing:
+                softmax -= ctx.smoothing / logits.shape[1]
+            index = targets[rows].clamp(min=0)[:, None]
+            softmax.scatter_add_(1, index, torch.full(index.shape, ctx.smoothing - 1.0,
+                                                      device=index.device))
+            grad_logits[rows] = softmax.mul_(grad[rows, None])  # softmax - the target
+        return grad_logits, None, None, None
+
+
+def cross_entropy(logits, targets, reduction="mean", label_smoothing=0.0,
+                  chunk_elements=1 << 25):
+    """F.cross_entropy(logits, targets, ...) of [N, V] logits and [N] targets (-100: not
+    scored), with float32 copies of at most ``chunk_elements`` logits at a time
+    (ChunkedCrossEntropy; 128 MB)."""
+    if reduction not in ("none", "mean", "sum") or not 0 <= label_smoothing <= 1:
+        raise ValueError(f"reduction {reduction!r}, label_smoothing {label_smoothing}")
+    loss = ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]),
+                                     label_smoothing)
+    if reduction == "none":
+        return loss
+    return loss.sum() / (1 if reduction == "sum" else (targets != -100).sum())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -976,24 +1042,6 @@ def peak_flops(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def sample_plainly(model, ids, max_new_tokens, temperature, top_k, eos_id):
-    """Sampling for a model without transformers' generate(): a forward pass over the whole
-    sequence per new token (no KV cache), top-k, stopping at ``eos_id`` (None: never)."""
-    for _ in range(max_new_tokens):
-        logits = torch.nan_to_num(model(input_ids=ids).logits[:, -1, :].float())
-        if temperature > 0:
-            logits = logits / temperature
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            next_id = torch.multinomial(torch.softmax(logits.masked_fill(logits < kth, -math.inf),
-                                                      dim=-1), 1)
-        else:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=1)
-        if next_id.item() == eos_id:
-            break
-    return ids
-
-
 def flops_per_token(model, seq_length):
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM paper, appendix B).
 
@@ -1044,66 +1092,6 @@ def profiler(spec, run_dir, rank, device, global_step):
         on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
         record_shapes=True,
     )
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of [N, V] logits, ``rows`` rows at a time in float32.
-
-    F.cross_entropy of bf16 logits upcasts all of them to float32 and keeps the float32
-    log-probabilities for backward, whose gradient is float32 too: [N, V] float32 tensors are
-    the largest of the step (GPT-2, 16 x 1024 tokens: 3.3 GB each). Here only one chunk of rows
-    is float32 at a time. Forward keeps the logits in their own dtype and each row's
-    log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0; other
-    targets must be valid class ids (no check here, unlike F.cross_entropy's). ``smoothing``
-    is F.cross_entropy's label_smoothing: the target is 1 - s on the label plus s / V on each.
-    """
-
-    @staticmethod
-    @torch.profiler.record_function("cross_entropy")  # a range of its own in a profile
-    def forward(ctx, logits, targets, rows, smoothing):
-        loss = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(loss)
-        for start in range(0, len(targets), rows):
-            chunk, part = logits[start:start + rows].float(), slice(start, start + rows)
-            lse[part] = chunk.logsumexp(dim=1)
-            picked = chunk.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]
-            loss[part] = lse[part] - (1 - smoothing) * picked
-            if smoothing:
-                loss[part] -= smoothing * chunk.mean(dim=1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.rows, ctx.smoothing = rows, smoothing
-        return loss.masked_fill_(targets == -100, 0)
-
-    @staticmethod
-    @torch.profiler.record_function("cross_entropy_backward")
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        grad = grad.masked_fill(targets == -100, 0)
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, len(targets), ctx.rows):
-            rows = slice(start, start + ctx.rows)
-            softmax = (logits[rows].float() - lse[rows, None]).exp_()
-            if ctx.smoothing:
-                softmax -= ctx.smoothing / logits.shape[1]
-            index = targets[rows].clamp(min=0)[:, None]
-            softmax.scatter_add_(1, index, torch.full(index.shape, ctx.smoothing - 1.0,
-                                                      device=index.device))
-            grad_logits[rows] = softmax.mul_(grad[rows, None])  # softmax - the target
-        return grad_logits, None, None, None
-
-
-def cross_entropy(logits, targets, reduction="mean", label_smoothing=0.0,
-                  chunk_elements=1 << 25):
-    """F.cross_entropy(logits, targets, ...) of [N, V] logits and [N] targets (-100: not
-    scored), with float32 copies of at most ``chunk_elements`` logits at a time
-    (ChunkedCrossEntropy; 128 MB)."""
-    if reduction not in ("none", "mean", "sum") or not 0 <= label_smoothing <= 1:
-        raise ValueError(f"reduction {reduction!r}, label_smoothing {label_smoothing}")
-    loss = ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]),
-                                     label_smoothing)
-    if reduction == "none":
-        return loss
-    return loss.sum() / (1 if reduction == "sum" else (targets != -100).sum())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1269,7 +1257,7 @@ def set_rng_state(state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoint files (layout: DESIGN.md section 3)
+# Models: checks, a trained model loaded (load_trained), the hf/ export, sampling
 # ----------------------------------------------------------------------------------------------
 
 def unwrap(model):
@@ -1733,6 +1721,28 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
                              remove_invalid_values=True)  # broken weights: nonsense, no crash
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
+
+def sample_plainly(model, ids, max_new_tokens, temperature, top_k, eos_id):
+    """Sampling for a model without transformers' generate(): a forward pass over the whole
+    sequence per new token (no KV cache), top-k, stopping at ``eos_id`` (None: never)."""
+    for _ in range(max_new_tokens):
+        logits = torch.nan_to_num(model(input_ids=ids).logits[:, -1, :].float())
+        if temperature > 0:
+            logits = logits / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            next_id = torch.multinomial(torch.softmax(logits.masked_fill(logits < kth, -math.inf),
+                                                      dim=-1), 1)
+        else:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+        if next_id.item() == eos_id:
+            break
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: the bytes written, and read back (layout: DESIGN.md section 3)
+# ----------------------------------------------------------------------------------------------
 
 def load(path, device):
     # weights_only: a checkpoint is data, and unpickling arbitrary objects could run code.
