@@ -27,6 +27,7 @@ import codecs
 import collections
 import copy
 import glob
+import io
 import itertools
 import json
 import logging
@@ -42,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import braceexpand
+import numpy as np
 import smart_open
 import torch
 
@@ -161,11 +163,13 @@ def _rng_from_json(rng, state):
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-            ".txt": "text"}
+            ".txt": "text", ".bin": "tokens", ".npy": "tokens"}
+TOKEN_FORMATS = ("nanogpt", "llmc", "npy")  # token files' layouts (section 10), for format=
 
 
 def shard_format(url):
-    """"jsonl", "parquet" or "text" from a shard's name (compression suffix aside), else None."""
+    """"jsonl", "parquet", "text" or "tokens" from a shard's name (compression suffix aside),
+    else None."""
     name = url.split("?")[0]
     for suffix in _COMPRESSED:
         name = name.removesuffix(suffix)
@@ -227,11 +231,12 @@ class Shards:
     """
 
     def __init__(self, urls, *, format=None, transport_params=None, retry=None,
-                 required_fields=()):
+                 required_fields=(), tokenizer=None):
         self.urls, self.format = urls, format
         self.transport_params, self.retry = transport_params, retry
         self.required_fields = tuple(required_fields)
-        self._kinds, self._arrays, self._bases = {}, {}, {}
+        self.tokenizer = tokenizer  # a token file's EOS and vocabulary
+        self._kinds, self._arrays, self._bases, self._layouts = {}, {}, {}, {}
 
     def cut(self, plan):
         """The input splits, (url, start, end), in order, for a ``plan`` of plan()."""
@@ -297,6 +302,8 @@ class Shards:
             size = _size(url, self.open)
             if kind == "array":
                 return size, len(self.array(url)), math.inf
+            if kind == "tokens":
+                return size, self.tokens(url)[2], math.inf
             return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
         return self.retry.run(url, "its size", attempt)
 
@@ -330,8 +337,9 @@ class Shards:
         """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
         if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
             return kind
-        if (self.format or shard_format(url)) in ("parquet", "text"):
-            self._kinds[url] = self.format or shard_format(url)
+        if (self.format or shard_format(url)) in ("parquet", "text", "tokens", *TOKEN_FORMATS):
+            kind = self.format or shard_format(url)
+            self._kinds[url] = "tokens" if kind in TOKEN_FORMATS else kind
         else:
             name = url.split("?")[0]
             for suffix in _COMPRESSED:
@@ -353,12 +361,22 @@ class Shards:
             self._arrays[url] = records
         return self._arrays[url]
 
+    def tokens(self, url):
+        """(bytes before the ids, their dtype, how many) of a token file (token_layout)."""
+        if url not in self._layouts:
+            def attempt():
+                with self.open(url) as f:
+                    return f.read(1024), f.seek(0, os.SEEK_END)
+            head, size = self.retry.run(url, "its header", attempt)
+            self._layouts[url] = token_layout(url, head, size, self.format)
+        return self._layouts[url]
+
     def position(self, slot):
         """The line (row, record) of the shard that the slot read last, counted from the
         shard's start: a split that starts inside it counts the lines before it, once."""
         url, start = slot["url"], slot["start"]
-        if "index" in slot:
-            return f"record {slot['index']}"
+        if "index" in slot or "token" in slot:
+            return f"record {slot['index']}" if "index" in slot else f"token {slot['token']}"
         if start and (url, start) not in self._bases:
             def count():
                 return _lines_before(slot, self.open, self.required_fields)
@@ -396,7 +414,7 @@ class Files(Stage):
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
                  format=None, transport_params=None, retries=8, retry_delay=1.0, rank=0,
-                 world_size=1):
+                 world_size=1, tokenizer=None):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
                              f"of world_size={world_size}, so every rank reads whole slots")
@@ -410,7 +428,8 @@ class Files(Stage):
         self.skip_bad_records, self.check = skip_bad_records, check
         self._retry = _Retry(retries, retry_delay)
         self.shards = Shards(self.urls, format=format, transport_params=transport_params,
-                             retry=self._retry, required_fields=required_fields)
+                             retry=self._retry, required_fields=required_fields,
+                             tokenizer=tokenizer)
         # Splits that own no line (row, record): later epochs pass them without opening them.
         # Derived from the files, never saved.
         self._empty = set()
@@ -448,8 +467,8 @@ class Files(Stage):
                 random.Random(f"{self.seed}-{epoch}").shuffle(order)
             self._order = (epoch, order)
         url, start, end = self.splits[self._order[1][i]]
-        where = {"parquet": {"row_group": start, "row": 0},
-                 "array": {"index": start}}.get(self.shards.kind(url), {"offset": start})
+        where = {"parquet": {"row_group": start, "row": 0}, "array": {"index": start},
+                 "tokens": {"token": start}}.get(self.shards.kind(url), {"offset": start})
         return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
                 "records": 0}
 
@@ -533,6 +552,9 @@ class Files(Stage):
             slot.update(where)
             if kind in ("jsonl", "text") and data.isspace():
                 continue  # a blank line is not a record
+            if kind == "tokens":  # ids: checked by the reader
+                slot["records"] += 1
+                return data
             try:
                 record = _parse(data, kind, self.shards.required_fields, self.check)
             except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
@@ -585,6 +607,9 @@ class Files(Stage):
             return _read_row_groups(slot, self.shards.open, self.shards.required_fields)
         if kind == "array":
             return _read_array(slot, self.shards.array(slot["url"]))
+        if kind == "tokens":
+            return _read_tokens(slot, self.shards.open, self.shards.tokens(slot["url"]),
+                                self.shards.tokenizer)
         return _read_lines(slot, self.shards.open)  # JSON Lines and text: lines
 
     # -- state -----------------------------------------------------------------------------
@@ -660,6 +685,9 @@ def _saved(slot):
     if "_line" in slot:
         text = slot.pop("_line")
         slot["last"] = [len(text), zlib.crc32(text)]
+    if "_ids" in slot:  # (a token file's: how many ids, and their crc32)
+        ids = slot.pop("_ids")
+        slot["last"] = [len(ids), zlib.crc32(ids.tobytes())]
     return slot
 
 
@@ -671,9 +699,9 @@ def _check_formats(urls, format):
     """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet),
     with a DataError: the data is wrong, and the message names the library argument and the
     train_llm.py flag that say the format."""
-    if format not in (None, "jsonl", "parquet", "text"):
-        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text' or None (by "
-                         "suffix)")
+    if format not in (None, "jsonl", "parquet", "text", *TOKEN_FORMATS):
+        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text', one of "
+                         f"{TOKEN_FORMATS} or None (by suffix)")
     for url in urls:
         if (kind := format or shard_format(url)) is None:
             raise DataError(f"shard {url}: cannot tell its format from its name; Files reads "
@@ -681,9 +709,9 @@ def _check_formats(urls, format):
                             f"{_COMPRESSED}). Name the format: format='jsonl', 'parquet' or "
                             "'text' (train_llm.py: --data-format jsonl|parquet|text). CSV is "
                             "not read: convert it to JSON Lines (one JSON object per line)")
-        if kind == "parquet" and url.endswith(_COMPRESSED):
-            raise DataError(f"shard {url}: a Parquet file must be able to seek, so it "
-                            "cannot be compressed as a whole (it compresses inside)")
+        if kind in ("parquet", "tokens", *TOKEN_FORMATS) and url.endswith(_COMPRESSED):
+            raise DataError(f"shard {url}: a Parquet or token file must be able to seek, so "
+                            "it cannot be compressed as a whole")
     if format and (other := [u for u in urls if shard_format(u) not in (None, format)]):
         log.warning("format=%r (--data-format %s) reads %d shard(s) whose names say another "
                     "format as %s: %s", format, format, len(other), format, _few(other))
@@ -726,8 +754,8 @@ def _where(slot):
     """Where a slot is, cheaply: for retry messages."""
     if "row_group" in slot:
         return f"row group {slot['row_group']}, row {slot['row']}"
-    if "index" in slot:
-        return f"record {slot['index']}"
+    if "index" in slot or "token" in slot:
+        return f"record {slot['index']}" if "index" in slot else f"token {slot['token']}"
     return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
 
 
@@ -844,6 +872,117 @@ def _read_array(slot, records):
     for index in range(first, end):
         yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 - first,
                                "_row": copy.copy(records[index])}
+
+
+# -- Token files: nanoGPT's raw ids, llm.c's shards, .npy (DESIGN.md section 10) --------------
+# (magic, version) of llm.c's 256 x int32 header -> the type of the ids after it.
+LLMC_HEADERS = {(20240520, 1): np.uint16, (20240801, 7): np.uint32}
+MAX_DOC_TOKENS = 1 << 24  # ids without an EOS that still make one document
+
+
+def token_layout(url, head, size, format=None):
+    """(bytes before the ids, their dtype, how many) of a token file, from its first 1,024
+    bytes and its size: .npy by its header, llm.c by its magic and version, else nanoGPT's
+    raw uint16 ids (``format`` names one). A file that is none of them is refused by name."""
+    if format == "npy" or format is None and url.split("?")[0].endswith(".npy"):
+        f = io.BytesIO(head)
+        try:
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}[np.lib.format.read_magic(f)]
+            shape, _, dtype = read(f)
+        except (ValueError, KeyError) as e:
+            raise DataError(f"shard {url}: not a .npy file numpy can read ({e})") from e
+        if len(shape) != 1 or dtype.kind not in "iu":
+            raise DataError(f"shard {url}: a token file holds one row of integer ids, not "
+                            f"{dtype} of shape {shape}")
+        base, count, what = f.tell(), shape[0], "the .npy header says"
+    else:
+        magic, version, count = np.frombuffer(head[:12].ljust(12, b"\0"), "<i4").tolist()
+        dtype = LLMC_HEADERS.get((magic, version))
+        if format != "nanogpt" and (format == "llmc" or magic in {m for m, _ in LLMC_HEADERS}):
+            if dtype is None:
+                raise DataError(f"shard {url}: no llm.c header it can read (magic {magic}, "
+                                f"version {version}; known: {sorted(LLMC_HEADERS)})")
+            base, what = 1024, "its llm.c header says"
+        else:
+            base, dtype, count, what = 0, np.uint16, size // 2, "nanoGPT's uint16 ids take"
+        dtype = np.dtype(dtype).newbyteorder("<")
+    if size != base + count * dtype.itemsize:
+        raise DataError(f"shard {url}: {size:,} bytes, where {count:,} ids as {what} "
+                        f"{base + count * dtype.itemsize:,}: cut short, or another layout")
+    return base, dtype, count
+
+
+class _Ids:
+    """The ids of a token file from token ``pos`` on, read 1M at a time as they are needed."""
+
+    def __init__(self, f, dtype, pos, url):
+        self.f, self.dtype, self.pos, self.url = f, dtype, pos, url
+        self.ids, self.tail = np.zeros(0, dtype), b""  # tail: a read that ended inside an id
+
+    def _more(self):
+        data = self.tail + self.f.read((1 << 20) * self.dtype.itemsize)
+        if len(data) == len(self.tail):
+            return False
+        n = len(data) - len(data) % self.dtype.itemsize
+        self.ids = np.concatenate([self.ids, np.frombuffer(data[:n], self.dtype)])
+        self.tail = data[n:]
+        return True
+
+    def until(self, value):
+        """How many ids come before the next ``value`` (None: the file ends first)."""
+        seen = 0
+        while not (hits := np.flatnonzero(self.ids[seen:] == value)).size:
+            seen = len(self.ids)
+            if seen > MAX_DOC_TOKENS:
+                raise DataError(f"shard {self.url}: no EOS (id {value}) in the {seen:,} ids "
+                                f"from token {self.pos}: a token file ends every document with "
+                                "the EOS of the tokenizer that made it. Is --tokenizer that one?")
+            if not self._more():
+                return None
+        return seen + int(hits[0])
+
+    def take(self, n):
+        """The next ``n`` ids (fewer at the file's end)."""
+        while len(self.ids) < n and self._more():
+            pass
+        out, self.ids = self.ids[:n], self.ids[n:]
+        self.pos += len(out)
+        return out
+
+
+def _read_tokens(slot, open_shard, layout, tokenizer):
+    """A token-file split, from the slot's token: the documents that start in it (at token 0 or
+    after an EOS), each without its EOS; one that crosses its end is read to its EOS."""
+    url, (base, dtype, count) = slot["url"], layout
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        raise DataError(f"shard {url} is a token file: Files(tokenizer=...) must give the EOS "
+                        "that ends its documents")
+    eos, vocab, line = tokenizer.eos_token_id, len(tokenizer), slot["line"]
+    at, end = slot["token"], count if slot["end"] is None else min(slot["end"], count)
+    before = slot["last"][0] if "last" in slot else min(at, 1)  # read again, and checked
+    with open_shard(url, base + (at - before) * dtype.itemsize) as f:
+        first, ids = {"size": _check_size(f, slot)}, _Ids(f, dtype, at - before, url)
+        seen = ids.take(before)
+        if "last" in slot and zlib.crc32(seen.tobytes()) != slot["last"][1]:
+            raise _changed_row(url, f"document that ended at token {at}")
+        if not ("last" in slot or at == 0 or seen.tolist() == [eos]):  # inside a document
+            n = ids.until(eos)  # (it belongs to the split before)
+            ids.take(count if n is None else n + 1)
+        while ids.pos < end:
+            start, n = ids.pos, ids.until(eos)
+            doc = ids.take(count if n is None else n)
+            read = np.concatenate([doc, ids.take(1)])  # (with its EOS, for "last")
+            if doc.size and (doc.max() >= vocab or doc.min() < 0):
+                bad = start + int(np.flatnonzero((doc >= vocab) | (doc < 0))[0])
+                raise DataError(f"shard {url}, token {bad}: id {doc[bad - start]} is not one of "
+                                f"the {vocab:,} ids of the tokenizer: the file was made with "
+                                "another tokenizer (pass it as --tokenizer)")
+            if doc.size:  # (two EOS in a row: no document between them)
+                line += 1
+                yield {"input_ids": doc.tolist()}, {"token": ids.pos, "line": line,
+                                                    "_ids": read, **first}
+                first = {}
 
 
 def _parquet_file(f, url, required_fields):
@@ -2104,10 +2243,15 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
             check = (FormatInstructions(None, tokenizer).check if tokenizer else
                      FormatInstructions.check_record)
         try:
-            return Files(spec, repeat=train, epochs=epochs, shuffle_shards=train, seed=seed,
-                         rank=rank, world_size=world_size, required_fields=required,
-                         check=check, skip_bad_records=skip_bad_records, format=format,
-                         n_active_shards=slots)
+            files = Files(spec, repeat=train, epochs=epochs, shuffle_shards=train, seed=seed,
+                          rank=rank, world_size=world_size, required_fields=required,
+                          check=check, skip_bad_records=skip_bad_records, format=format,
+                          n_active_shards=slots, tokenizer=tokenizer)
+            if sft and (tokens := [u for u in files.urls if format in TOKEN_FORMATS
+                                   or shard_format(u) == "tokens"]):
+                raise DataError(f"--task sft reads instructions or conversations; {tokens[0]} "
+                                "is a token file, which holds only ids (train on it as pretrain)")
+            return files
         except SplitError as e:
             if train:
                 raise DataError(f"--dataset {spec}: {e}") from e

@@ -1,0 +1,99 @@
+"""Write text shards (what --dataset takes) as pre-tokenized token files, the way nanoGPT and
+llm.c store their data, so that the same documents train from either:
+
+    python scripts/make_token_shards.py --data 'data/sample/*/train-*.jsonl' --out shards \
+        --layout llmc
+    python train_llm.py -e tokens --dataset 'shards/*/train-*.bin'
+
+One token file per input shard, at the same place under --out (a domain's directory stays a
+domain for --mix). The layouts (DESIGN.md section 10):
+
+    nanogpt  raw token ids (uint16; uint32 for a vocabulary past 65,536), EOS after each
+             document, as nanoGPT's prepare.py writes train.bin
+    llmc     a header of 256 int32 (magic 20240520, version 1, the token count; uint32 ids:
+             20240801, version 7), then the ids, EOS before each document, as llm.c's dev/data
+    npy      a numpy .npy array of the ids, EOS after each document
+
+The ids are the tokenizer's for each record's --column, without special tokens: documents are
+told apart by EOS alone, and the kit adds BOS and EOS when it reads them (data.EnsureBosEos).
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import data  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def token_ids(url, tokenizer, column, eos, eos_first, dtype):
+    """The ids of every document of one shard, EOS before (llm.c) or after each one."""
+    parts, texts = [], []
+
+    def encode():  # 256 documents at a time
+        for doc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            parts.append(np.array([eos, *doc] if eos_first else [*doc, eos], dtype=dtype))
+        texts.clear()
+
+    for record in data.Files(url, n_active_shards=1, required_fields=[column]):
+        texts.append(record[column])
+        if len(texts) == 256:
+            encode()
+    encode()
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def write(path, ids, layout):
+    """One token file of ``ids`` in ``layout``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if layout == "npy":
+        np.save(path, ids)
+        return
+    with open(path, "wb") as f:
+        if layout == "llmc":
+            header = np.zeros(256, dtype=np.int32)
+            magic, version = next(key for key, dtype in data.LLMC_HEADERS.items()
+                                  if dtype == ids.dtype)
+            header[:3] = [magic, version, len(ids)]
+            f.write(header.tobytes())
+        f.write(ids.tobytes())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="the text shards (files, globs, a directory)")
+    parser.add_argument("--out", type=Path, required=True, help="the directory to write")
+    parser.add_argument("--layout", choices=("nanogpt", "llmc", "npy"), default="llmc")
+    parser.add_argument("--tokenizer", default=str(ROOT / "assets/tokenizer"))
+    parser.add_argument("--column", default="text", help="the field that holds the text")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if tokenizer.eos_token_id is None:
+        sys.exit(f"--tokenizer {args.tokenizer} has no EOS token: token files tell documents "
+                 "apart by EOS")
+    urls = data.expand_urls(args.data)
+    if any("://" in url for url in urls):
+        sys.exit("--data: local files only (copy remote shards first)")
+    common = os.path.commonpath([os.path.dirname(os.path.abspath(url)) for url in urls])
+    suffix = ".npy" if args.layout == "npy" else ".bin"
+    dtype = np.uint32 if len(tokenizer) > 1 << 16 else np.uint16
+    for url in urls:
+        relative = Path(os.path.relpath(os.path.abspath(url), common))
+        name = relative.name.split(".")[0] + suffix  # (train-00000.jsonl.gz: train-00000)
+        ids = token_ids(url, tokenizer, args.column, tokenizer.eos_token_id,
+                        eos_first=args.layout == "llmc", dtype=dtype)
+        write(args.out / relative.parent / name, ids, args.layout)
+        print(f"{url}: {len(ids):,} tokens -> {args.out / relative.parent / name}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (OSError, data.DataError) as e:
+        sys.exit(f"{type(e).__name__}: {e}")

@@ -1,0 +1,230 @@
+"""Token files as a source: nanoGPT's raw uint16 ids, llm.c's shards (a 256 x int32 header,
+then the ids) and .npy arrays. Documents are told apart by the tokenizer's EOS; a file is cut
+into token ranges like any shard, a resume seeks to its saved token, and a file that is none
+of the layouts, or holds an id the tokenizer lacks, is refused naming the shard."""
+
+import collections
+import json
+import tempfile
+
+import numpy as np
+import pytest
+from helpers import (
+    ROOT,
+    assert_same_run,
+    examples,
+    kill_at,
+    refused,
+    run_with_cuts,
+    script,
+    start,
+    train,
+    train_args,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import data
+from data import DataError, Files
+
+EOS, VOCAB = 0, 3000
+
+
+class Ids:
+    """What Files needs of a tokenizer to read token files: its EOS and its size."""
+    eos_token_id = EOS
+
+    def __len__(self):
+        return VOCAB
+
+
+def write_tokens(path, docs, layout, dtype=np.uint16):
+    """``docs`` (lists of ids) as one token file: nanoGPT and .npy put EOS after each, llm.c
+    before each (as their own tools write them)."""
+    ids = np.array([t for d in docs for t in ([EOS, *d] if layout == "llmc" else [*d, EOS])],
+                   dtype=dtype)
+    with open(path, "wb") as f:
+        if layout == "npy":
+            np.save(f, ids)
+        elif layout == "llmc":
+            f.write(np.array([20240520, 1, len(ids)] + [0] * 253, dtype="<i4").tobytes())
+        if layout != "npy":
+            f.write(ids.tobytes())
+    return str(path)
+
+
+def documents(sizes, seed):
+    """Lists of ids without EOS; each document's first two ids say which it is."""
+    rng = np.random.default_rng(seed)
+    return [[[f + 1, d + 1, *rng.integers(1, VOCAB, rng.choice([0, 1, 5, 40])).tolist()]
+             for d in range(n)] for f, n in enumerate(sizes)]
+
+
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.sampled_from([0, 1, 3, 9, 30]), min_size=1, max_size=4),
+       layout=st.sampled_from(["nanogpt", "llmc", "npy"]), slots=st.integers(1, 8),
+       world_pick=st.integers(0, 7), epochs=st.integers(1, 2), shuffle=st.booleans(),
+       seed=st.integers(0, 3), cuts=st.lists(st.integers(0, 60), max_size=3),
+       reshard_pick=st.integers(0, 7), reshard_at=st.integers(0, 30))
+def test_token_files_give_every_document_once_per_epoch_and_resume_exactly(
+        sizes, layout, slots, world_pick, epochs, shuffle, seed, cuts, reshard_pick, reshard_at):
+    divisors = [w for w in range(1, slots + 1) if slots % w == 0]
+    world, new_world = (divisors[i % len(divisors)] for i in (world_pick, reshard_pick))
+    docs = documents(sizes, seed)
+    expected = collections.Counter(tuple(d) for f in docs for d in f for _ in range(epochs))
+    with tempfile.TemporaryDirectory() as tmp:
+        suffix = ".npy" if layout == "npy" else ".bin"
+        urls = [write_tokens(f"{tmp}/part-{i}{suffix}", f, layout) for i, f in enumerate(docs)]
+
+        def make(rank=0, world_size=world):
+            return Files(urls, repeat=True, epochs=epochs, shuffle_shards=shuffle, seed=seed,
+                         n_active_shards=slots, rank=rank, world_size=world_size,
+                         tokenizer=Ids())
+
+        def read(rank, cut=()):
+            return [tuple(r["input_ids"]) for r in run_with_cuts(lambda: make(rank), cut, 10**6)]
+
+        streams = []
+        for rank in range(world):  # cut and resumed (state through JSON): the same stream
+            streams.append(read(rank))
+            assert read(rank, cuts) == streams[-1]
+        assert collections.Counter(d for s in streams for d in s) == expected
+
+        # All ranks stop after reshard_at documents each; the run goes on on new_world ranks.
+        pipes, before = [make(r) for r in range(world)], []
+        for pipe in pipes:
+            before += [tuple(r["input_ids"]) for _, r in zip(range(reshard_at), pipe)]
+        states = [json.loads(json.dumps(p.state_dict())) for p in pipes]
+        after = []
+        for rank in range(new_world):
+            pipe = make(rank, new_world)
+            data.reshard(pipe, states)
+            after += [tuple(r["input_ids"]) for r in pipe]
+        assert collections.Counter(before + after) == expected
+
+
+def test_one_token_file_is_cut_into_a_range_per_slot_and_resumed_by_seeking(tmp_path):
+    """nanoGPT's single train.bin over 8 slots: 8 token ranges of about equal size, each read
+    by its own slot; a resume opens the file at the saved token (it reads only the document
+    read last again, to check it), not from the start."""
+    docs = documents([400], seed=0)[0]
+    url = write_tokens(tmp_path / "train.bin", docs, "nanogpt")
+    files = Files([url], n_active_shards=8, tokenizer=Ids())
+    count = sum(len(d) + 1 for d in docs)
+    assert [(a, b) for _, a, b in files.splits] == [(count * j // 8, count * (j + 1) // 8)
+                                                    for j in range(8)]
+    first = [next(files)["input_ids"] for _ in range(300)]
+    state = json.loads(json.dumps(files.state_dict()))
+    opened = []
+    resumed = Files([url], n_active_shards=8, tokenizer=Ids())
+    open_shard = resumed.shards.open
+    resumed.shards.open = lambda u, at=0: opened.append(at) or open_shard(u, at)
+    resumed.load_state_dict(state)
+    rest = [r["input_ids"] for r in resumed]
+    assert sorted(first + rest) == sorted(docs)
+    lasts = {s["token"] - s["last"][0] for s in state["slots"]}
+    assert len(lasts) == 8 and min(lasts) > 0
+    assert set(opened[:8]) == {2 * token for token in lasts}  # bytes: uint16 ids
+
+
+@pytest.mark.parametrize("layout", ["nanogpt", "llmc", "npy"])
+def test_bad_token_files_are_refused_naming_the_shard(tmp_path, layout):
+    suffix = ".npy" if layout == "npy" else ".bin"
+    docs = [[5, 6, 7], [8, 9]]
+    good = write_tokens(tmp_path / f"good{suffix}", docs, layout)
+    data_bytes = open(good, "rb").read()
+
+    def refused_file(name, content, *words):
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(DataError) as e:
+            list(Files([str(path)], tokenizer=Ids()))
+        for word in (str(path), *words):
+            assert word in str(e.value), (word, str(e.value))
+
+    refused_file(f"short{suffix}", data_bytes[:-1], "cut short")  # an id cut in half
+    write_tokens(tmp_path / f"big{suffix}", [[5, VOCAB + 7]], layout)
+    with pytest.raises(DataError, match=rf"big{suffix}, token \d: id {VOCAB + 7} is not one of"):
+        list(Files([str(tmp_path / f"big{suffix}")], tokenizer=Ids()))
+    if layout == "llmc":
+        header = np.frombuffer(data_bytes[:1024], "<i4").copy()
+        header[1] = 3  # a version it does not know
+        refused_file("version.bin", header.tobytes() + data_bytes[1024:], "version 3")
+        header[1], header[2] = 1, 100  # more ids than the file holds
+        refused_file("count.bin", header.tobytes() + data_bytes[1024:], "100 ids")
+    if layout == "npy":
+        np.save(tmp_path / "floats.npy", np.zeros(4))
+        refused_file("floats.npy", (tmp_path / "floats.npy").read_bytes(), "integer ids")
+    with pytest.raises(DataError, match="is a token file"):  # no tokenizer: no EOS
+        list(Files([good]))
+
+
+def test_a_file_without_eos_is_refused_not_read_whole(tmp_path, monkeypatch):
+    """Ids made by another tokenizer have no EOS where this one's is: a limit, not all memory."""
+    monkeypatch.setattr(data, "MAX_DOC_TOKENS", 1000)
+    path = tmp_path / "other.bin"
+    np.arange(1, 5000, dtype=np.uint16).tofile(path)
+    with pytest.raises(DataError, match=r"other.bin: no EOS \(id 0\) in the"):
+        list(Files([str(path)], tokenizer=Ids()))
+
+
+def test_a_token_file_changed_before_the_saved_token_is_refused_on_resume(tmp_path):
+    docs = documents([50], seed=1)[0]
+    url = write_tokens(tmp_path / "t.bin", docs, "nanogpt")
+    files = Files([url], tokenizer=Ids())
+    for _ in range(20):
+        next(files)
+    state = json.loads(json.dumps(files.state_dict()))
+    ids = np.fromfile(url, np.uint16)
+    ids[state["slots"][0]["token"] - 2] += 1  # the last document read, same size
+    ids.tofile(url)
+    resumed = Files([url], tokenizer=Ids())
+    resumed.load_state_dict(state)
+    with pytest.raises(DataError, match="changed since this run read it"):
+        next(resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["nanogpt", "llmc", "npy"])
+def test_token_files_made_from_the_corpus_train_as_its_text_does(
+        tmp_path, tiny_model, layout, capsys, monkeypatch):
+    """make_token_shards.py turns the sample corpus into token files; a run on them is the run
+    on the JSON Lines, to the bit (the same documents in the same order, the same ids)."""
+    script("make_token_shards", ["--data", ROOT / "data/sample/*/train-*.jsonl", "--out",
+                                 tmp_path / "shards", "--layout", layout], capsys, monkeypatch)
+    suffix = "npy" if layout == "npy" else "bin"
+    text = train(train_args(tmp_path, tiny_model, "text", max_steps=12, ckpt_freq=12))
+    tokens = train(train_args(tmp_path, tiny_model, "tokens", max_steps=12, ckpt_freq=12,
+                              dataset=tmp_path / f"shards/*/train-*.{suffix}"))
+    assert text.returncode == 0 and tokens.returncode == 0, tokens.stderr[-2000:]
+    a, b = ((tmp_path / name / "checkpoints/step-000012/model.pt").read_bytes()
+            for name in ("text", "tokens"))
+    assert a == b
+
+
+@pytest.mark.slow
+def test_a_token_file_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, tiny_model):
+    """One nanoGPT train.bin (the whole corpus) over 8 slots, SIGKILLed after step 14."""
+    docs = []
+    for path in sorted(ROOT.glob("data/sample/*/train-*.jsonl")):
+        docs += [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
+    ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
+    write_tokens(tmp_path / "train.bin", ids, "nanogpt")
+
+    def args(name):
+        return train_args(tmp_path, tiny_model, name, dataset=tmp_path / "train.bin")
+
+    result = train(args("straight"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    kill_at(start(args("killed"), tmp_path / "log.txt"), tmp_path / "killed", 14)
+    result = train(args("killed"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+
+
+def test_a_token_file_for_sft_is_refused(tmp_path, tiny_model):
+    write_tokens(tmp_path / "t.bin", [[5, 6]], "nanogpt")
+    refused(train(train_args(tmp_path, tiny_model, task="sft", dataset=tmp_path / "t.bin")),
+            "--task sft", "is a token file")
