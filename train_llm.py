@@ -629,8 +629,8 @@ def get_parser():
     add("--active-shards", type=at_least(1), default=8,
         help="slots: input splits read at a time, round-robin; a multiple of the world size")
     add("--epochs", type=at_least(1), help="passes over --dataset, then stop (default: endless)")
-    add("--data-format", choices=["jsonl", "parquet", "text"], default=None,
-        help="how to read shards whose names do not tell (default: by suffix)")
+    add("--data-format", choices=["jsonl", "parquet", "text", *data.TOKEN_FORMATS], default=None,
+        help="how to read shards whose names do not tell (default: by suffix, or header)")
     add("--tokenizer-threads", type=at_least(1), default=2, help="threads that tokenize")
     add("--skip-bad-records", action="store_true",
         help="skip (count and log) malformed records instead of stopping at the first one")
