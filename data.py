@@ -1152,21 +1152,20 @@ class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
 
     The consumer pulls ``batch_size`` documents, or fewer once they hold ``BATCH_CHARS``
-    characters (the document that reaches it ends the batch), snapshots the upstream state
-    *before* them and submits the batch to the pool; up to ``2 * num_threads`` batches are in
-    flight, so the work ahead is bounded in characters, not only in documents. The state of a
-    sample is (snapshot before its batch, how many samples since it were handed out, a crc32
-    of their texts): on resume the batch is read and tokenized again and those samples are
-    skipped, once their crc shows they are the ones handed out before (a shard changed since
-    is refused, not trained twice). That redoes at most one batch of work and keeps
-    state_dict() cheap, whatever the upstream is.
+    characters (the document that reaches it ends the batch), taking the upstream state after
+    each (as Prefetch does), and submits the batch to the pool; up to ``2 * num_threads``
+    batches are in flight, so the work ahead is bounded in characters, not only in documents.
+    The state is the upstream state before the first document not wholly handed out, and how
+    many of its pieces were (``skip``: 0 unless max_chars cut it, then with ``crc``, a crc32 of
+    their texts, which a resume checks). A resume reads on from there, redoing only the work
+    that was in flight; a reshard merges the upstream states as they are.
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
     the GIL, so that threads use several cores (its own pool is off: TOKENIZERS_PARALLELISM).
     """
 
-    # Not in the config: where a batch ends does not change the stream (the skip of a state
-    # carries on into the next batch), so states saved with other batches still resume exactly.
+    # Not in the config: where a batch ends does not change the stream (a skip carries on into
+    # the next batch), so states saved with other batches still resume exactly.
     BATCH_CHARS = 1 << 20
     CHANGED = ("the data changed since this run read it: the documents read again after its "
                "checkpoint are not the ones it trained on then (a shard was edited, or records "
@@ -1191,22 +1190,13 @@ class Tokenize(Stage):
                        "max_chars": max_chars}
         self._pool, self._per_thread = None, threading.local()  # _per_thread: see _work
         self._popped = 0                      # batches taken by __next__ (see _work)
-        self._inflight = collections.deque()  # (upstream state before the batch, future)
+        self._inflight = collections.deque()  # (upstream states, future) of each batch
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
         self._crcs = []                       # the crc32 of each sample's text in self._batch
-        self._batch_state = None              # upstream state before self._batch
-        self._skip = 0                        # samples of the first batch already consumed
+        self._marks = []                      # per sample: the state once it is handed out
+        self._states = None                   # upstream states before each document, and after
+        self._skip = 0                        # samples of a resumed state still to pass
         self._skipped = (None, 0)             # (crc the skipped samples must have, theirs)
-        # A stage with state between Files and here cannot reshard (see _advanced): said so.
-        below = src
-        while getattr(below, "src", None) is not None:  # (down to the source)
-            if type(below).state_dict is not Stage.state_dict:
-                self._blocked = {"cannot_reshard": f"{type(below).__name__} (between Files "
-                                                   "and Tokenize)"}
-                break
-            below = below.src
-        else:
-            self._blocked = {}
         self._exhausted = False
 
     def _encode(self, texts):
@@ -1222,39 +1212,18 @@ class Tokenize(Stage):
             raise ValueError(f"field {column!r} is {type(record.get(column)).__name__}, not a "
                              f"string (keys: {sorted(record)})")
 
-    def _cut_points(self, text):
-        """Where a document is cut: every max_chars characters at most, at the last blank of
-        the piece's second half when there is one, so that words stay whole."""
-        points, n = [0], self.max_chars
-        while n is not None and len(text) - points[-1] > n:
-            end = points[-1] + n
-            blank = max(text.rfind(" ", end - n // 2, end), text.rfind("\n", end - n // 2, end))
-            points.append(blank + 1 if blank > 0 else end)
-        return points + [len(text)]
-
-    def _pieces(self, sample):
-        """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
-        be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
-        EnsureBosEos that only the first piece begins a document and the last ends it."""
-        text = sample[self.column]
-        if self.max_chars is None or len(text) <= self.max_chars:
-            return [sample]
-        points = self._cut_points(text)
-        count = next(self._cuts)
-        if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
-            log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
-                        "%d (%d documents cut by this process so far)", len(text),
-                        len(points) - 1, self.max_chars, count)
-        return [{**sample, self.column: text[a:b], "piece": [i, len(points) - 1]}
-                for i, (a, b) in enumerate(zip(points, points[1:]))]
-
     def _work(self, samples, seq):
         for sample in samples:
             if not isinstance(sample.get(self.column), str):
                 raise ValueError(f"Tokenize: a sample has no string field {self.column!r} (keys: "
                                  f"{sorted(sample)}); Files(..., check=Tokenize.check_record) "
                                  "reports such records with their shard and line")
-        samples = [piece for sample in samples for piece in self._pieces(sample)]
+        pieces = [_pieces(sample, self.column, self.max_chars, self._cuts) for sample in samples]
+        # Once piece i of n of document d is handed out, the state is (states[d + 1], skip 0)
+        # if it was the last, else (states[d], skip i + 1).
+        marks = [(d + 1, 0) if i == len(cut) - 1 else (d, i + 1)
+                 for d, cut in enumerate(pieces) for i in range(len(cut))]
+        samples = [piece for cut in pieces for piece in cut]
         # Encoded about 1M characters at a time: the tokenizer's own objects for the pieces of
         # one huge document would take a few GB if all were encoded in one call.
         ids, start, chars = [], 0, 0
@@ -1272,16 +1241,16 @@ class Tokenize(Stage):
         made.append((seq, ids))
         while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
             made.popleft()
-        return samples, [_crc(s[self.column]) for s in samples]
+        return samples, [_crc(s[self.column]) for s in samples], marks
 
     def _submit(self):
-        state = self.src.state_dict()
-        samples, chars = [], 0
+        states, samples, chars = [self.src.state_dict()], [], 0
         try:
             # Without the character budget, 64 copies of a 10 MB document (an endless stream
             # of one document) were read per batch, 2 * num_threads batches ahead.
             while len(samples) < self.batch_size and chars < self.BATCH_CHARS:
                 samples.append(next(self.src))
+                states.append(self.src.state_dict())
                 text = samples[-1].get(self.column)
                 chars += len(text) if isinstance(text, str) else 0
         except StopIteration:
@@ -1290,7 +1259,7 @@ class Tokenize(Stage):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
             seq = self._popped + len(self._inflight)  # the batch's number, from 0
-            self._inflight.append((state, self._pool.submit(self._work, samples, seq)))
+            self._inflight.append((states, self._pool.submit(self._work, samples, seq)))
 
     def __next__(self):
         while self._pos == len(self._batch):
@@ -1298,11 +1267,12 @@ class Tokenize(Stage):
                 self._submit()
             if not self._inflight:
                 raise StopIteration
-            state, future = self._inflight.popleft()
-            self._batch, self._crcs = future.result()  # raises what the worker raised
+            self._states, future = self._inflight.popleft()
+            self._batch, self._crcs, self._marks = future.result()  # raises what it raised
             self._popped += 1  # (after the batch before is let go: see _work)
-            # A resumed skip may pass whole batches: one saved with bigger batches than these.
-            self._batch_state, self._pos = state, min(self._skip, len(self._batch))
+            # A resumed skip may pass whole batches: one saved by an older version counted
+            # the samples since the state before its batch, whatever their documents.
+            self._pos = min(self._skip, len(self._batch))
             self._skip -= self._pos
             if self._skipped[0] is not None:
                 self._check_skipped()
@@ -1320,11 +1290,12 @@ class Tokenize(Stage):
             self._skipped = (None, 0)
 
     def state_dict(self):
-        if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
+        if self._states is None:  # nothing handed out yet (or only what we resumed past)
             return self._state(upstream=self.src.state_dict(), skip=self._skip,
-                               crc=self._skipped[0], **self._blocked)
-        return self._state(upstream=self._batch_state, skip=self._pos,
-                           crc=_crcs(self._crcs[:self._pos]), **self._blocked)
+                               crc=self._skipped[0])
+        document, skip = self._marks[self._pos - 1]
+        crc = _crcs(self._crcs[self._pos - skip:self._pos]) if skip else None
+        return self._state(upstream=self._states[document], skip=skip, crc=crc)
 
     def load_state_dict(self, state):
         self._load(state)
@@ -1333,49 +1304,48 @@ class Tokenize(Stage):
         self._skipped = (state.get("crc") if self._skip else None, 0)
 
     def reshard_state(self, olds, ctx):
-        """Each old rank's upstream state, moved on past the documents (pieces) its consumer
-        had been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
-        ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
-        advanced = [self._advanced(old["upstream"], old["skip"], old.get("crc"))
-                    for old in olds]
-        return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
-
-    def _advanced(self, state, n, crc):
-        """The upstream ``state`` (any old rank's) ``n`` documents (pieces) on: Files re-reads
-        as that rank did, through copies of the stages between it and here. Those must be
-        stages without state (Map, Filter): one with state of its own is refused by name."""
-        between, below, files = [], state, self.src
-        while not isinstance(files, Files):
-            if files is None or set(below) - {"config", "upstream"}:
-                name = type(files).__name__ if files else "a pipeline without Files"
-                raise ValueError(f"reshard: between Files and Tokenize only stages without "
-                                 f"state may stand (Map, Filter), not {name}")
-            between.append(files)
-            files, below = files.src, below["upstream"]
-        top = reader = files.reading_as(below)
-        try:
-            for stage in reversed(between):  # from Files up, each reading the copy below
-                above = copy.copy(stage)
-                above.src, top = top, above
-            crcs = []
-            while len(crcs) < n:
-                text = next(top)[self.column]
-                points = self._cut_points(text)
-                crcs += [_crc(text[a:b]) for a, b in zip(points, points[1:])]
-            if len(crcs) > n:
-                raise ValueError("a rank stopped inside a document that Tokenize had cut into "
-                                 "pieces (max_chars); resume on the same number of ranks")
-            if crc is not None and n and _crcs(crcs) != crc:
-                raise DataError(self.CHANGED)
-            return top.state_dict()
-        finally:
-            reader.close()
+        """The upstream states as they are: each is where its rank's consumer stood."""
+        if any(old["skip"] for old in olds):
+            raise ValueError("a rank stopped inside a document that Tokenize had cut into "
+                             "pieces (max_chars), or saved a state of an older version, which "
+                             "counted whole documents past it; resume on the same number of "
+                             "ranks, and change it at a later checkpoint")
+        return self._state(upstream=self._reshard_upstream(olds, ctx), skip=0, crc=None)
 
     def close(self):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._inflight.clear()
         super().close()
+
+
+def _cut_points(text, n):
+    """Where a document is cut: every ``n`` characters at most, at the last blank of the
+    piece's second half when there is one, so that words stay whole."""
+    points = [0]
+    while len(text) - points[-1] > n:
+        end = points[-1] + n
+        blank = max(text.rfind(" ", end - n // 2, end), text.rfind("\n", end - n // 2, end))
+        points.append(blank + 1 if blank > 0 else end)
+    return points + [len(text)]
+
+
+def _pieces(sample, column, max_chars, cuts):
+    """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
+    be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
+    EnsureBosEos that only the first piece begins a document and the last ends it.
+    ``cuts`` counts the documents cut, for the log."""
+    text = sample[column]
+    if max_chars is None or len(text) <= max_chars:
+        return [sample]
+    points = _cut_points(text, max_chars)
+    count = next(cuts)
+    if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
+        log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
+                    "%d (%d documents cut by this process so far)", len(text),
+                    len(points) - 1, max_chars, count)
+    return [{**sample, column: text[a:b], "piece": [i, len(points) - 1]}
+            for i, (a, b) in enumerate(zip(points, points[1:]))]
 
 
 class EnsureBosEos(Stage):
@@ -2002,8 +1972,8 @@ def first_read(pipeline):
 
 def reshard_blockers(state):
     """The stages of a saved loader state (any rank's) that cannot move to another number of
-    ranks: a stage that keeps state but has no reshard_state, or one that keeps state between
-    Files and Tokenize. A resume checks this at its start, before anything is built."""
+    ranks: a stage that keeps state but has no reshard_state. A resume checks this at its
+    start, before anything is built."""
     found, todo = [], [state]
     while todo:
         item = todo.pop()
@@ -2021,10 +1991,10 @@ def reshard(pipeline, states):
 
     The guarantee: every document is trained on exactly once, as in a run that never stopped;
     only the order changes. Each source slot (DESIGN.md section 4) continues from where the
-    rank that owned it had read (its Tokenize batch re-read only up to the documents it had
-    handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
-    new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
-    slots and buffers. reshard finds the pipeline's Files (which knows the new rank and world
+    rank that owned it had read up to the documents its Tokenize had handed out, and the work
+    a rank had buffered (shuffle buffer, leftover tokens) moves to new rank
+    ``old_rank % new_world_size``. With W unchanged each rank gets back its own slots and
+    buffers. reshard finds the pipeline's Files (which knows the new rank and world
     size) and asks the top stage for its merged state; each stage merges its own fields and
     asks its upstream in turn (Stage.reshard_state, Resharding.merge); a Mix reshards each
     domain's pipeline on its own. Stages whose state cannot be split this way (Take, Stride,
@@ -2050,8 +2020,8 @@ class Resharding:
     def __init__(self, rank, world_size, old_world_size):
         self.rank, self.world_size = rank, world_size
         self.mine = [i for i in range(old_world_size) if i % world_size == rank]
-        self.report = {"old_world_size": old_world_size, "documents_reread": 0,
-                       "sequences_moved": 0, "tokens_moved": 0}
+        self.report = {"old_world_size": old_world_size, "sequences_moved": 0,
+                       "tokens_moved": 0}
 
     def merge(self, stage, olds):
         """``stage``'s state on this rank, from the states its old ranks saved (``olds``)."""
