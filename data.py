@@ -137,6 +137,10 @@ class ConfigMismatch(ValueError):
     """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
 
 
+class BadRecord(ValueError):
+    """A record that does not parse or lacks what is required (Files: skip_bad_records)."""
+
+
 class FilesChanged(ConfigMismatch):
     """A saved state of Files whose shards are not those it read, or not of the same sizes."""
 
@@ -216,7 +220,7 @@ def _cuts(units, n):
 
 class Shards:
     """What the shards of a Files are: their kind (JSON Lines, text, a JSON array, Parquet),
-    how to open them (smart_open), and how they are cut into input splits (plan, cut). Its
+    how to open them (smart_open), and how they are cut into input splits (split, plan). Its
     caches are derived from the files and never saved; Files keeps the books of reading them.
 
     **Splits.** The shards are cut into input *splits* (see plan): a whole shard, or a
@@ -233,12 +237,23 @@ class Shards:
         self.required_fields = tuple(required_fields)
         self._kinds, self._arrays, self._bases = {}, {}, {}
 
-    def cut(self, plan):
-        """The input splits, (url, start, end), in order, for a ``plan`` of plan()."""
+    def split(self, n_slots, world_size):
+        """(plan, the input splits (url, start, end) in order): at least one split for each of
+        ``n_slots`` slots, or SplitError."""
+        plan = self.plan(n_slots)
         if plan is None:
-            return [(url, 0, None) for url in self.urls]
-        return [(url, *piece) for url, (units, n) in zip(self.urls, plan)
-                for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+            splits = [(url, 0, None) for url in self.urls]
+        else:
+            splits = [(url, *piece) for url, (units, n) in zip(self.urls, plan)
+                      for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+        if len(splits) < n_slots:
+            raise self.too_few_splits(len(splits), n_slots, world_size)
+        return plan, splits
+
+    def start(self, url, start):
+        """Where the first record of a split that begins at ``start`` is, as a slot holds it."""
+        return {"parquet": {"row_group": start, "row": 0},
+                "array": {"index": start}}.get(self.kind(url), {"offset": start})
 
     def too_few_splits(self, n, n_slots, world_size):
         """The SplitError for shards cut into only ``n`` splits, fewer than ``n_slots``."""
@@ -353,6 +368,35 @@ class Shards:
             self._arrays[url] = records
         return self._arrays[url]
 
+    def reader(self, slot):
+        """A generator of (line or record, where the next one starts) over the slot's split,
+        from where the slot is (it reads a copy of the slot, as it was when opened)."""
+        slot, kind = _saved(slot), self.kind(slot["url"])
+        if kind == "parquet":
+            return _read_row_groups(slot, self.open, self.required_fields)
+        if kind == "array":
+            return _read_array(slot, self.array(slot["url"]))
+        return _read_lines(slot, self.open)  # JSON Lines and text: lines
+
+    def record(self, data, slot, check):
+        """The record in what a reader gave (None for a blank line), checked; a bad one
+        raises BadRecord, data that no record can mend DataError, naming shard and line."""
+        kind, where = self.kind(slot["url"]), f"shard {slot['url']}"
+        if kind in ("jsonl", "text") and data.isspace():
+            return None
+        try:
+            return _parse(data, kind, self.required_fields, check)
+        except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
+            raise DataError(f"{where}, {self.position(slot)}: {e}") from e
+        except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
+            if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
+                raise DataError(f"{where}, {self.position(slot)}: its last line has no newline "
+                                "and is no whole record: the file is still being written, or "
+                                "was cut short. Wait until it is complete, or mend its end, "
+                                "and rerun") from e
+            raise BadRecord(f"{where}, {self.position(slot)}: bad record: "
+                            f"{type(e).__name__}: {e}") from e
+
     def position(self, slot):
         """The line (row, record) of the shard that the slot read last, counted from the
         shard's start: a split that starts inside it counts the lines before it, once."""
@@ -388,9 +432,9 @@ class Files(Stage):
     DataError from ``check`` stops the stream even then (DESIGN.md section 5). A ``.txt``
     shard gives a record ``{"text": line}`` per non-blank line.
 
-    The class keeps the books (slots, epochs, state); what the shards are and how they are cut
-    is Shards' (above), reading a split is done by the generators below (_read_lines,
-    _read_row_groups, _read_array), retries by _Retry.
+    The class keeps the books (slots, epochs, state); what the shards are, how they are cut
+    and how a split's lines become records is Shards' (above); reading a split is done by the
+    generators below (_read_lines, _read_row_groups, _read_array), retries by _Retry.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
@@ -414,10 +458,7 @@ class Files(Stage):
         # Splits that own no line (row, record): later epochs pass them without opening them.
         # Derived from the files, never saved.
         self._empty = set()
-        self.plan = self.shards.plan(n_active_shards)
-        self.splits = self.shards.cut(self.plan)
-        if len(self.splits) < n_active_shards:
-            raise self.shards.too_few_splits(len(self.splits), n_active_shards, world_size)
+        self.plan, self.splits = self.shards.split(n_active_shards, world_size)
         self._order = (None, None)  # (epoch, split order) of the last split opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
                        "shuffle_shards": shuffle_shards, "seed": seed,
@@ -434,6 +475,7 @@ class Files(Stage):
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
         self._rank_splits = None  # the splits this rank can be given (endless: see __next__)
         self._reading = self.epoch
+        self._saved = {}  # pos -> the saved form of that slot while it reads nothing new
 
     # -- splits ----------------------------------------------------------------------------
 
@@ -443,15 +485,11 @@ class Files(Stage):
         if self.epochs is not None and epoch >= self.epochs:
             return None
         if self._order[0] != epoch:  # derived from (seed, epoch), so never saved
-            order = list(range(len(self.splits)))
-            if self.shuffle_shards:
-                random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            self._order = (epoch, order)
+            self._order = (epoch, _split_order(len(self.splits), self.seed, epoch,
+                                               self.shuffle_shards))
         url, start, end = self.splits[self._order[1][i]]
-        where = {"parquet": {"row_group": start, "row": 0},
-                 "array": {"index": start}}.get(self.shards.kind(url), {"offset": start})
-        return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
-                "records": 0}
+        return {"pos": pos, "url": url, "start": start, "end": end,
+                **self.shards.start(url, start), "line": 0, "records": 0}
 
     @property
     def epoch(self):
@@ -476,16 +514,12 @@ class Files(Stage):
                 empties.add(empty)
             current = self._reading = self.epoch
             if self.epochs is None and empties:
-                self._rank_splits = self._rank_splits or self._find_rank_splits()
+                self._rank_splits = self._rank_splits or _rank_splits(
+                    self.splits, self.slots, self.n_slots, self.shuffle_shards)
                 if empties >= self._rank_splits:
                     break  # endless, and every split this rank can read is empty
         if self.epochs is None:
-            rank, world = self.config["rank"], self.config["world_size"]
-            whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
-            held = (f"hold no records but the {self.skipped} skipped as bad "
-                    "(--skip-bad-records)" if self.skipped else "hold no records")
-            raise DataError(f"{whose}{len(self.urls)} shard(s) {held}, so an endless stream "
-                            f"would wait forever ({self.urls[:3]}...)")
+            raise _nothing_to_read(self.config, self.skipped)
         raise StopIteration
 
     def _next_split(self, i):
@@ -511,15 +545,6 @@ class Files(Stage):
         self.shards.keep_arrays({slot["url"] for slot in self.slots})
         return empty
 
-    def _find_rank_splits(self):
-        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
-        else the fixed cycle of positions s, s + S, ... of its slots."""
-        n = len(self.splits)
-        if self.shuffle_shards:
-            return set(self.splits)
-        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
-                for slot in self.slots for k in range(n)}
-
     def _read(self, i):
         """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
@@ -527,88 +552,37 @@ class Files(Stage):
             # One long line cut into 8 splits leaves 7 that own no line start; opening each,
             # every epoch, read the rest of that line to find one.
             return None
-        kind = self.shards.kind(slot["url"])
-        while (item := self._fetch(i)) is not None:
+        self.shards.kind(slot["url"])  # known before the retries, which must not nest
+        while (item := self._retry.next(self._files, i, slot, self.shards.reader)) is not None:
             data, where = item
             slot.update(where)
-            if kind in ("jsonl", "text") and data.isspace():
-                continue  # a blank line is not a record
+            self._saved.pop(slot["pos"], None)
             try:
-                record = _parse(data, kind, self.shards.required_fields, self.check)
-            except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
-                raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: {e}") from e
-            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, {self.shards.position(slot)}: bad record: "
-                       f"{type(e).__name__}: {e}")
-                if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
-                    raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: its "
-                                    "last line has no newline and is no whole record: the file "
-                                    "is still being written, or was cut short. Wait until it "
-                                    "is complete, or mend its end, and rerun") from e
+                record = self.shards.record(data, slot, self.check)
+            except BadRecord as e:
                 if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
+                    raise DataError(f"{e} (skip_bad_records=True, train_llm.py "
                                     "--skip-bad-records, skips such records)") from e
                 self.skipped += 1
-                log.warning("skipped (%d so far): %s", self.skipped, msg)
+                log.warning("skipped (%d so far): %s", self.skipped, e)
                 continue
-            slot["records"] += 1
-            return record
+            if record is not None:  # (None: a blank line, no record)
+                slot["records"] += 1
+                return record
         return None
-
-    def _fetch(self, i):
-        """The next (line or record, where the next starts) of slot i, None at the split's end.
-        A transient fault reopens the split where the slot is (see _Retry)."""
-        url, first = self.slots[i]["url"], 0
-        if self._files[i] is not None:  # the common case: no closures, no retry loop
-            try:
-                return next(self._files[i], None)
-            except Exception as e:  # the reader is finished: give up, or reopen it below
-                self._files[i] = None
-                self._retry.after_fault(e, url, _where(self.slots[i]), 0)
-                first = 1
-        self.shards.kind(url)  # known before the retries, which must not nest
-
-        def attempt():
-            if self._files[i] is None:
-                self._files[i] = self._reader(self.slots[i])
-            return next(self._files[i], None)
-
-        def reset():
-            self._files[i] = None
-        return self._retry.run(url, _where(self.slots[i]), attempt, reset, first)
-
-    def _reader(self, slot):
-        """A generator of (line or record, where the next one starts) over the slot's split,
-        from where the slot is (it reads a copy of the slot, as it was when opened)."""
-        slot, kind = _saved(slot), self.shards.kind(slot["url"])
-        if kind == "parquet":
-            return _read_row_groups(slot, self.shards.open, self.shards.required_fields)
-        if kind == "array":
-            return _read_array(slot, self.shards.array(slot["url"]))
-        return _read_lines(slot, self.shards.open)  # JSON Lines and text: lines
 
     # -- state -----------------------------------------------------------------------------
 
     def _check_config(self, saved, ignore=()):
         """The arguments, then the files: a change in the files is said as such."""
         super()._check_config(saved, ignore=(*ignore, "urls", "split_plan"))
-        old, new = saved.get("urls", []), self.urls
-        if old != new:
-            added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
-            raise FilesChanged(
-                f"the shards it matches are not those the state was saved with: {len(old)} "
-                f"then, {len(new)} now" + (f"; new: {_few(added)}" if added else "") +
-                (f"; gone: {_few(gone)}" if gone else "") +
-                ("" if added or gone else "; the same ones in another order"))
-        if saved.get("split_plan") != self.plan:
-            plans = zip(new, saved.get("split_plan") or [None] * len(new), self.plan or [])
-            raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
-                               "size since the state was saved (they are cut into splits by "
-                               "their sizes)")
+        _check_files(saved.get("urls", []), saved.get("split_plan"), self.urls, self.plan)
 
     def state_dict(self):
-        return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
-                           slots=[_saved(s) for s in self.slots])
+        # Tokenize takes one after every record: only the slot that read since is saved anew.
+        self._saved = {s["pos"]: self._saved.get(s["pos"]) or _saved(s) for s in self.slots}
+        return self._state(epoch=self._reading, turn=self.turn, skipped=self.skipped,
+                           slots=list(self._saved.values()))
 
     def load_state_dict(self, state):
         self._load(state)
@@ -618,7 +592,7 @@ class Files(Stage):
         self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
                       for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
-        self._rank_splits, self._reading = None, self.epoch
+        self._rank_splits, self._reading, self._saved = None, self.epoch, {}
 
     def close(self):
         for f in self._files:
@@ -637,15 +611,50 @@ class Files(Stage):
                            skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
                            slots=[slots[s] for s in keep])
 
-    def reading_as(self, state):
-        """A copy of this Files that reads on from ``state``, which any rank of any world size
-        may have saved (resharding re-reads with it where a rank's consumer really was)."""
-        other = copy.copy(self)  # same shards and seed; slots and files of its own below
-        other.config = {**self.config, "rank": state["config"]["rank"],
-                        "world_size": state["config"]["world_size"]}
-        other._files = []
-        other.load_state_dict(state)  # also checks that the other arguments are ours
-        return other
+
+def _check_files(old, old_plan, new, plan):
+    """Refuses a saved state of Files whose shards (``old``, cut by ``old_plan``) are not
+    those it reads now (``new``, ``plan``): FilesChanged, saying what changed."""
+    if old != new:
+        added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
+        raise FilesChanged(
+            f"the shards it matches are not those the state was saved with: {len(old)} "
+            f"then, {len(new)} now" + (f"; new: {_few(added)}" if added else "") +
+            (f"; gone: {_few(gone)}" if gone else "") +
+            ("" if added or gone else "; the same ones in another order"))
+    if old_plan != plan:
+        plans = zip(new, old_plan or [None] * len(new), plan or [])
+        raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
+                           "size since the state was saved (they are cut into splits by "
+                           "their sizes)")
+
+
+def _split_order(n, seed, epoch, shuffled):
+    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as cut."""
+    order = list(range(n))
+    if shuffled:
+        random.Random(f"{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def _rank_splits(splits, slots, n_slots, shuffled):
+    """The splits that ``slots`` (a rank's) can ever be given: all of them with shuffled
+    epochs, else the fixed cycle of positions s, s + S, ... of its slots."""
+    if shuffled:
+        return set(splits)
+    return {splits[(slot["pos"] + k * n_slots) % len(splits)]
+            for slot in slots for k in range(len(splits))}
+
+
+def _nothing_to_read(config, skipped):
+    """The error of an endless Files whose rank's splits hold no records."""
+    rank, world, urls = config["rank"], config["world_size"], config["urls"]
+    whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
+    held = (f"hold no records but the {skipped} skipped as bad (--skip-bad-records)"
+            if skipped else "hold no records")
+    return DataError(f"{whose}{len(urls)} shard(s) {held}, so an endless stream would wait "
+                     f"forever ({urls[:3]}...)")
+
 
 def _few(urls):
     return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
@@ -980,6 +989,27 @@ class _Retry:
         log.warning("shard %s, %s: %s: %s; retry %d of %d in %.1f s", url, where,
                     type(error).__name__, error, n + 1, self.retries, delay)
         time.sleep(delay)
+
+    def next(self, readers, i, slot, reader):
+        """The next (line or record, where the next starts) of ``readers[i]``, None at the
+        split's end; ``reader(slot)`` opens it where the slot is, again after a fault."""
+        url, first = slot["url"], 0
+        if readers[i] is not None:  # the common case: no closures, no retry loop
+            try:
+                return next(readers[i], None)
+            except Exception as e:  # the reader is finished: give up, or reopen it below
+                readers[i] = None
+                self.after_fault(e, url, _where(slot), 0)
+                first = 1
+
+        def attempt():
+            if readers[i] is None:
+                readers[i] = reader(slot)
+            return next(readers[i], None)
+
+        def reset():
+            readers[i] = None
+        return self.run(url, _where(slot), attempt, reset, first)
 
     def run(self, url, where, attempt, reset=None, first=0):
         """attempt(), again after each transient fault, up to ``retries`` times in all (the
