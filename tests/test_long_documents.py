@@ -181,6 +181,25 @@ def test_a_state_of_an_older_version_resumes_exactly(lengths, seed, max_chars, t
         changed.close()
 
 
+def test_a_state_of_an_older_version_resumes_but_does_not_reshard(tmp_path):
+    """Its skip may run past whole documents, which no other number of ranks can place:
+    a reshard is refused, saying what to do; on its own number of ranks it resumes exactly."""
+    url = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": "a b " * (i % 4 + 1)})
+                                             for i in range(20)])
+
+    def pipe(rank=0, world=1):
+        return Tokenize(Files(url, n_active_shards=2, rank=rank, world_size=world), TOY,
+                        num_threads=1, batch_size=8)
+    straight = take(pipe(), 20)
+    state = older_tokenize_state(pipe(), Files(url, n_active_shards=2).state_dict(),
+                                 [s["text"] for s in straight[:3]])
+    with pytest.raises(ValueError, match="older version.* resume on the same number of ranks"):
+        data.reshard(pipe(0, 2), [state])
+    resumed = pipe()
+    resumed.load_state_dict(state)
+    assert take(resumed, 17) == straight[3:]
+
+
 def test_a_state_is_the_upstream_state_after_the_documents_handed_out(tmp_path):
     """Tokenize's state holds the upstream state after the last document it handed out whole,
     whatever it has read ahead: a Files state that a Files alone reaches after as many
