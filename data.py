@@ -1337,9 +1337,9 @@ class Tokenize(Stage):
         """The upstream states as they are: each is where its rank's consumer stood."""
         if any(old["skip"] for old in olds):
             raise ValueError("a rank stopped inside a document that Tokenize had cut into "
-                             "pieces (max_chars), or saved a state of an older version, which "
-                             "counted whole documents past it; resume on the same number of "
-                             "ranks, and change it at a later checkpoint")
+                             "pieces (max_chars), or saved its state with an older version of "
+                             "data.py, whose skip runs past whole documents; resume on the same "
+                             "number of ranks, and change it at a later checkpoint")
         return self._state(upstream=self._reshard_upstream(olds, ctx), skip=0, crc=None)
 
     def close(self):
