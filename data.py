@@ -139,6 +139,10 @@ class ConfigMismatch(ValueError):
     """A saved state made by a pipeline built with other arguments (see Stage._check_config)."""
 
 
+class BadRecord(ValueError):
+    """A record that does not parse or lacks what is required (Files: skip_bad_records)."""
+
+
 class FilesChanged(ConfigMismatch):
     """A saved state of Files whose shards are not those it read, or not of the same sizes."""
 
@@ -220,7 +224,7 @@ def _cuts(units, n):
 
 class Shards:
     """What the shards of a Files are: their kind (JSON Lines, text, a JSON array, Parquet),
-    how to open them (smart_open), and how they are cut into input splits (plan, cut). Its
+    how to open them (smart_open), and how they are cut into input splits (split, plan). Its
     caches are derived from the files and never saved; Files keeps the books of reading them.
 
     **Splits.** The shards are cut into input *splits* (see plan): a whole shard, or a
@@ -238,12 +242,23 @@ class Shards:
         self.tokenizer = tokenizer  # a token file's EOS and vocabulary
         self._kinds, self._arrays, self._bases, self._layouts = {}, {}, {}, {}
 
-    def cut(self, plan):
-        """The input splits, (url, start, end), in order, for a ``plan`` of plan()."""
+    def split(self, n_slots, world_size):
+        """(plan, the input splits (url, start, end) in order): at least one split for each of
+        ``n_slots`` slots, or SplitError."""
+        plan = self.plan(n_slots)
         if plan is None:
-            return [(url, 0, None) for url in self.urls]
-        return [(url, *piece) for url, (units, n) in zip(self.urls, plan)
-                for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+            splits = [(url, 0, None) for url in self.urls]
+        else:
+            splits = [(url, *piece) for url, (units, n) in zip(self.urls, plan)
+                      for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+        if len(splits) < n_slots:
+            raise self.too_few_splits(len(splits), n_slots, world_size)
+        return plan, splits
+
+    def start(self, url, start):
+        """Where the first record of a split that begins at ``start`` is, as a slot holds it."""
+        return {"parquet": {"row_group": start, "row": 0}, "array": {"index": start},
+                "tokens": {"token": start}}.get(self.kind(url), {"offset": start})
 
     def too_few_splits(self, n, n_slots, world_size):
         """The SplitError for shards cut into only ``n`` splits, fewer than ``n_slots``."""
@@ -263,20 +278,10 @@ class Shards:
 
     def plan(self, n_slots):
         """How the shards are cut: None (each shard is one split), or [units, splits] per shard.
-
-        Every slot needs a split of its own in every epoch: a slot without one would read the
-        next epoch's copy of a document beside this epoch's (one file over 8 slots used to give
-        every document 8 times in a row, and ranks past the first nothing to read). With at
-        least as many shards as slots, every shard is one split and no shard is looked at,
-        which matters with thousands of shards in a bucket. With fewer, each shard is measured
-        (a stat, a Parquet footer, a JSON array parsed: fewer than n_slots requests) and they
-        are cut into exactly n_slots splits of about equal bytes: one per slot and epoch, so
-        the slots (and ranks) read equal shares and move through the epochs together. The units
-        are bytes (JSON Lines), row groups (Parquet) or records (JSON array); a compressed JSON
-        Lines shard cannot seek, so it is one split (units None). The plan is a pure function
-        of the shards and n_slots, never of the world size, and it is part of the config: a
-        shard that changed size since the state was saved is refused.
-        """
+        Every slot needs a split of its own in every epoch: with fewer shards than slots, they
+        are measured and cut into exactly n_slots splits of about equal size (DESIGN.md section
+        4). Units: bytes (JSON Lines), row groups (Parquet), records (JSON array), ids (token
+        files); a compressed JSON Lines shard cannot seek, so it is one split (units None)."""
         if len(self.urls) >= n_slots:
             return None
         sizes, units, caps = zip(*(self.measure(url) for url in self.urls))
@@ -371,6 +376,39 @@ class Shards:
             self._layouts[url] = token_layout(url, head, size, self.format)
         return self._layouts[url]
 
+    def reader(self, slot):
+        """A generator of (line or record, where the next one starts) over the slot's split,
+        from where the slot is (it reads a copy of the slot, as it was when opened)."""
+        slot, kind = _saved(slot), self.kind(slot["url"])
+        if kind == "parquet":
+            return _read_row_groups(slot, self.open, self.required_fields)
+        if kind == "array":
+            return _read_array(slot, self.array(slot["url"]))
+        if kind == "tokens":
+            return _read_tokens(slot, self.open, self.tokens(slot["url"]), self.tokenizer)
+        return _read_lines(slot, self.open)  # JSON Lines and text: lines
+
+    def record(self, data, slot, check):
+        """The record in what a reader gave (None for a blank line), checked; a bad one
+        raises BadRecord, data that no record can mend DataError, naming shard and line."""
+        kind, where = self.kind(slot["url"]), f"shard {slot['url']}"
+        if kind == "tokens":  # ids, checked by their reader
+            return data
+        if kind in ("jsonl", "text") and data.isspace():
+            return None
+        try:
+            return _parse(data, kind, self.required_fields, check)
+        except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
+            raise DataError(f"{where}, {self.position(slot)}: {e}") from e
+        except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
+            if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
+                raise DataError(f"{where}, {self.position(slot)}: its last line has no newline "
+                                "and is no whole record: the file is still being written, or "
+                                "was cut short. Wait until it is complete, or mend its end, "
+                                "and rerun") from e
+            raise BadRecord(f"{where}, {self.position(slot)}: bad record: "
+                            f"{type(e).__name__}: {e}") from e
+
     def position(self, slot):
         """The line (row, record) of the shard that the slot read last, counted from the
         shard's start: a split that starts inside it counts the lines before it, once."""
@@ -406,9 +444,9 @@ class Files(Stage):
     DataError from ``check`` stops the stream even then (DESIGN.md section 5). A ``.txt``
     shard gives a record ``{"text": line}`` per non-blank line.
 
-    The class keeps the books (slots, epochs, state); what the shards are and how they are cut
-    is Shards' (above), reading a split is done by the generators below (_read_lines,
-    _read_row_groups, _read_array), retries by _Retry.
+    The class keeps the books (slots, epochs, state); what the shards are, how they are cut
+    and how a split's lines become records is Shards' (above); reading a split is done by the
+    generators below (_read_lines, _read_row_groups, _read_array), retries by _Retry.
     """
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
@@ -433,10 +471,7 @@ class Files(Stage):
         # Splits that own no line (row, record): later epochs pass them without opening them.
         # Derived from the files, never saved.
         self._empty = set()
-        self.plan = self.shards.plan(n_active_shards)
-        self.splits = self.shards.cut(self.plan)
-        if len(self.splits) < n_active_shards:
-            raise self.shards.too_few_splits(len(self.splits), n_active_shards, world_size)
+        self.plan, self.splits = self.shards.split(n_active_shards, world_size)
         self._order = (None, None)  # (epoch, split order) of the last split opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
                        "shuffle_shards": shuffle_shards, "seed": seed,
@@ -453,6 +488,7 @@ class Files(Stage):
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
         self._rank_splits = None  # the splits this rank can be given (endless: see __next__)
         self._reading = self.epoch
+        self._saved = {}  # pos -> the saved form of that slot while it reads nothing new
 
     # -- splits ----------------------------------------------------------------------------
 
@@ -462,15 +498,11 @@ class Files(Stage):
         if self.epochs is not None and epoch >= self.epochs:
             return None
         if self._order[0] != epoch:  # derived from (seed, epoch), so never saved
-            order = list(range(len(self.splits)))
-            if self.shuffle_shards:
-                random.Random(f"{self.seed}-{epoch}").shuffle(order)
-            self._order = (epoch, order)
+            self._order = (epoch, _split_order(len(self.splits), self.seed, epoch,
+                                               self.shuffle_shards))
         url, start, end = self.splits[self._order[1][i]]
-        where = {"parquet": {"row_group": start, "row": 0}, "array": {"index": start},
-                 "tokens": {"token": start}}.get(self.shards.kind(url), {"offset": start})
-        return {"pos": pos, "url": url, "start": start, "end": end, **where, "line": 0,
-                "records": 0}
+        return {"pos": pos, "url": url, "start": start, "end": end,
+                **self.shards.start(url, start), "line": 0, "records": 0}
 
     @property
     def epoch(self):
@@ -495,16 +527,12 @@ class Files(Stage):
                 empties.add(empty)
             current = self._reading = self.epoch
             if self.epochs is None and empties:
-                self._rank_splits = self._rank_splits or self._find_rank_splits()
+                self._rank_splits = self._rank_splits or _rank_splits(
+                    self.splits, self.slots, self.n_slots, self.shuffle_shards)
                 if empties >= self._rank_splits:
                     break  # endless, and every split this rank can read is empty
         if self.epochs is None:
-            rank, world = self.config["rank"], self.config["world_size"]
-            whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
-            held = (f"hold no records but the {self.skipped} skipped as bad "
-                    "(--skip-bad-records)" if self.skipped else "hold no records")
-            raise DataError(f"{whose}{len(self.urls)} shard(s) {held}, so an endless stream "
-                            f"would wait forever ({self.urls[:3]}...)")
+            raise _nothing_to_read(self.config, self.skipped)
         raise StopIteration
 
     def _next_split(self, i):
@@ -530,15 +558,6 @@ class Files(Stage):
         self.shards.keep_arrays({slot["url"] for slot in self.slots})
         return empty
 
-    def _find_rank_splits(self):
-        """The splits this rank's slots can ever be given: all of them with shuffled epochs,
-        else the fixed cycle of positions s, s + S, ... of its slots."""
-        n = len(self.splits)
-        if self.shuffle_shards:
-            return set(self.splits)
-        return {self.splits[(slot["pos"] + k * self.n_slots) % n]
-                for slot in self.slots for k in range(n)}
-
     def _read(self, i):
         """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
@@ -546,94 +565,37 @@ class Files(Stage):
             # One long line cut into 8 splits leaves 7 that own no line start; opening each,
             # every epoch, read the rest of that line to find one.
             return None
-        kind = self.shards.kind(slot["url"])
-        while (item := self._fetch(i)) is not None:
+        self.shards.kind(slot["url"])  # known before the retries, which must not nest
+        while (item := self._retry.next(self._files, i, slot, self.shards.reader)) is not None:
             data, where = item
             slot.update(where)
-            if kind in ("jsonl", "text") and data.isspace():
-                continue  # a blank line is not a record
-            if kind == "tokens":  # ids: checked by the reader
-                slot["records"] += 1
-                return data
+            self._saved.pop(slot["pos"], None)
             try:
-                record = _parse(data, kind, self.shards.required_fields, self.check)
-            except DataError as e:  # no bad record but data the pipeline cannot use: not skipped
-                raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: {e}") from e
-            except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are both
-                msg = (f"shard {slot['url']}, {self.shards.position(slot)}: bad record: "
-                       f"{type(e).__name__}: {e}")
-                if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
-                    raise DataError(f"shard {slot['url']}, {self.shards.position(slot)}: its "
-                                    "last line has no newline and is no whole record: the file "
-                                    "is still being written, or was cut short. Wait until it "
-                                    "is complete, or mend its end, and rerun") from e
+                record = self.shards.record(data, slot, self.check)
+            except BadRecord as e:
                 if not self.skip_bad_records:
-                    raise DataError(msg + " (skip_bad_records=True, train_llm.py "
+                    raise DataError(f"{e} (skip_bad_records=True, train_llm.py "
                                     "--skip-bad-records, skips such records)") from e
                 self.skipped += 1
-                log.warning("skipped (%d so far): %s", self.skipped, msg)
+                log.warning("skipped (%d so far): %s", self.skipped, e)
                 continue
-            slot["records"] += 1
-            return record
+            if record is not None:  # (None: a blank line, no record)
+                slot["records"] += 1
+                return record
         return None
-
-    def _fetch(self, i):
-        """The next (line or record, where the next starts) of slot i, None at the split's end.
-        A transient fault reopens the split where the slot is (see _Retry)."""
-        url, first = self.slots[i]["url"], 0
-        if self._files[i] is not None:  # the common case: no closures, no retry loop
-            try:
-                return next(self._files[i], None)
-            except Exception as e:  # the reader is finished: give up, or reopen it below
-                self._files[i] = None
-                self._retry.after_fault(e, url, _where(self.slots[i]), 0)
-                first = 1
-        self.shards.kind(url)  # known before the retries, which must not nest
-
-        def attempt():
-            if self._files[i] is None:
-                self._files[i] = self._reader(self.slots[i])
-            return next(self._files[i], None)
-
-        def reset():
-            self._files[i] = None
-        return self._retry.run(url, _where(self.slots[i]), attempt, reset, first)
-
-    def _reader(self, slot):
-        """A generator of (line or record, where the next one starts) over the slot's split,
-        from where the slot is (it reads a copy of the slot, as it was when opened)."""
-        slot, kind = _saved(slot), self.shards.kind(slot["url"])
-        if kind == "parquet":
-            return _read_row_groups(slot, self.shards.open, self.shards.required_fields)
-        if kind == "array":
-            return _read_array(slot, self.shards.array(slot["url"]))
-        if kind == "tokens":
-            return _read_tokens(slot, self.shards.open, self.shards.tokens(slot["url"]),
-                                self.shards.tokenizer)
-        return _read_lines(slot, self.shards.open)  # JSON Lines and text: lines
 
     # -- state -----------------------------------------------------------------------------
 
     def _check_config(self, saved, ignore=()):
         """The arguments, then the files: a change in the files is said as such."""
         super()._check_config(saved, ignore=(*ignore, "urls", "split_plan"))
-        old, new = saved.get("urls", []), self.urls
-        if old != new:
-            added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
-            raise FilesChanged(
-                f"the shards it matches are not those the state was saved with: {len(old)} "
-                f"then, {len(new)} now" + (f"; new: {_few(added)}" if added else "") +
-                (f"; gone: {_few(gone)}" if gone else "") +
-                ("" if added or gone else "; the same ones in another order"))
-        if saved.get("split_plan") != self.plan:
-            plans = zip(new, saved.get("split_plan") or [None] * len(new), self.plan or [])
-            raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
-                               "size since the state was saved (they are cut into splits by "
-                               "their sizes)")
+        _check_files(saved.get("urls", []), saved.get("split_plan"), self.urls, self.plan)
 
     def state_dict(self):
-        return self._state(epoch=self.epoch, turn=self.turn, skipped=self.skipped,
-                           slots=[_saved(s) for s in self.slots])
+        # Tokenize takes one after every record: only the slot that read since is saved anew.
+        self._saved = {s["pos"]: self._saved.get(s["pos"]) or _saved(s) for s in self.slots}
+        return self._state(epoch=self._reading, turn=self.turn, skipped=self.skipped,
+                           slots=list(self._saved.values()))
 
     def load_state_dict(self, state):
         self._load(state)
@@ -643,7 +605,7 @@ class Files(Stage):
         self.slots = [{**s, "start": s.get("start", 0), "end": s.get("end")}
                       for s in state["slots"]]
         self._files = [None] * len(self.slots)  # opened (by seeking) on first read
-        self._rank_splits, self._reading = None, self.epoch
+        self._rank_splits, self._reading, self._saved = None, self.epoch, {}
 
     def close(self):
         for f in self._files:
@@ -662,15 +624,50 @@ class Files(Stage):
                            skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
                            slots=[slots[s] for s in keep])
 
-    def reading_as(self, state):
-        """A copy of this Files that reads on from ``state``, which any rank of any world size
-        may have saved (resharding re-reads with it where a rank's consumer really was)."""
-        other = copy.copy(self)  # same shards and seed; slots and files of its own below
-        other.config = {**self.config, "rank": state["config"]["rank"],
-                        "world_size": state["config"]["world_size"]}
-        other._files = []
-        other.load_state_dict(state)  # also checks that the other arguments are ours
-        return other
+
+def _check_files(old, old_plan, new, plan):
+    """Refuses a saved state of Files whose shards (``old``, cut by ``old_plan``) are not
+    those it reads now (``new``, ``plan``): FilesChanged, saying what changed."""
+    if old != new:
+        added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
+        raise FilesChanged(
+            f"the shards it matches are not those the state was saved with: {len(old)} "
+            f"then, {len(new)} now" + (f"; new: {_few(added)}" if added else "") +
+            (f"; gone: {_few(gone)}" if gone else "") +
+            ("" if added or gone else "; the same ones in another order"))
+    if old_plan != plan:
+        plans = zip(new, old_plan or [None] * len(new), plan or [])
+        raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
+                           "size since the state was saved (they are cut into splits by "
+                           "their sizes)")
+
+
+def _split_order(n, seed, epoch, shuffled):
+    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as cut."""
+    order = list(range(n))
+    if shuffled:
+        random.Random(f"{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def _rank_splits(splits, slots, n_slots, shuffled):
+    """The splits that ``slots`` (a rank's) can ever be given: all of them with shuffled
+    epochs, else the fixed cycle of positions s, s + S, ... of its slots."""
+    if shuffled:
+        return set(splits)
+    return {splits[(slot["pos"] + k * n_slots) % len(splits)]
+            for slot in slots for k in range(len(splits))}
+
+
+def _nothing_to_read(config, skipped):
+    """The error of an endless Files whose rank's splits hold no records."""
+    rank, world, urls = config["rank"], config["world_size"], config["urls"]
+    whose = f"rank {rank} of {world}: its splits of " if world > 1 else ""
+    held = (f"hold no records but the {skipped} skipped as bad (--skip-bad-records)"
+            if skipped else "hold no records")
+    return DataError(f"{whose}{len(urls)} shard(s) {held}, so an endless stream would wait "
+                     f"forever ({urls[:3]}...)")
+
 
 def _few(urls):
     return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
@@ -1120,6 +1117,27 @@ class _Retry:
                     type(error).__name__, error, n + 1, self.retries, delay)
         time.sleep(delay)
 
+    def next(self, readers, i, slot, reader):
+        """The next (line or record, where the next starts) of ``readers[i]``, None at the
+        split's end; ``reader(slot)`` opens it where the slot is, again after a fault."""
+        url, first = slot["url"], 0
+        if readers[i] is not None:  # the common case: no closures, no retry loop
+            try:
+                return next(readers[i], None)
+            except Exception as e:  # the reader is finished: give up, or reopen it below
+                readers[i] = None
+                self.after_fault(e, url, _where(slot), 0)
+                first = 1
+
+        def attempt():
+            if readers[i] is None:
+                readers[i] = reader(slot)
+            return next(readers[i], None)
+
+        def reset():
+            readers[i] = None
+        return self.run(url, _where(slot), attempt, reset, first)
+
     def run(self, url, where, attempt, reset=None, first=0):
         """attempt(), again after each transient fault, up to ``retries`` times in all (the
         first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
@@ -1291,21 +1309,20 @@ class Tokenize(Stage):
     """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
 
     The consumer pulls ``batch_size`` documents, or fewer once they hold ``BATCH_CHARS``
-    characters (the document that reaches it ends the batch), snapshots the upstream state
-    *before* them and submits the batch to the pool; up to ``2 * num_threads`` batches are in
-    flight, so the work ahead is bounded in characters, not only in documents. The state of a
-    sample is (snapshot before its batch, how many samples since it were handed out, a crc32
-    of their texts): on resume the batch is read and tokenized again and those samples are
-    skipped, once their crc shows they are the ones handed out before (a shard changed since
-    is refused, not trained twice). That redoes at most one batch of work and keeps
-    state_dict() cheap, whatever the upstream is.
+    characters (the document that reaches it ends the batch), taking the upstream state after
+    each (as Prefetch does), and submits the batch to the pool; up to ``2 * num_threads``
+    batches are in flight, so the work ahead is bounded in characters, not only in documents.
+    The state is the upstream state before the first document not wholly handed out, and how
+    many of its pieces were (``skip``: 0 unless max_chars cut it, then with ``crc``, a crc32 of
+    their texts, which a resume checks). A resume reads on from there, redoing only the work
+    that was in flight; a reshard merges the upstream states as they are.
 
     Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
     the GIL, so that threads use several cores (its own pool is off: TOKENIZERS_PARALLELISM).
     """
 
-    # Not in the config: where a batch ends does not change the stream (the skip of a state
-    # carries on into the next batch), so states saved with other batches still resume exactly.
+    # Not in the config: where a batch ends does not change the stream (a skip carries on into
+    # the next batch), so states saved with other batches still resume exactly.
     BATCH_CHARS = 1 << 20
     CHANGED = ("the data changed since this run read it: the documents read again after its "
                "checkpoint are not the ones it trained on then (a shard was edited, or records "
@@ -1330,22 +1347,13 @@ class Tokenize(Stage):
                        "max_chars": max_chars}
         self._pool, self._per_thread = None, threading.local()  # _per_thread: see _work
         self._popped = 0                      # batches taken by __next__ (see _work)
-        self._inflight = collections.deque()  # (upstream state before the batch, future)
+        self._inflight = collections.deque()  # (upstream states, future) of each batch
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
         self._crcs = []                       # the crc32 of each sample's text in self._batch
-        self._batch_state = None              # upstream state before self._batch
-        self._skip = 0                        # samples of the first batch already consumed
+        self._marks = []                      # per sample: the state once it is handed out
+        self._states = None                   # upstream states before each document, and after
+        self._skip = 0                        # samples of a resumed state still to pass
         self._skipped = (None, 0)             # (crc the skipped samples must have, theirs)
-        # A stage with state between Files and here cannot reshard (see _advanced): said so.
-        below = src
-        while getattr(below, "src", None) is not None:  # (down to the source)
-            if type(below).state_dict is not Stage.state_dict:
-                self._blocked = {"cannot_reshard": f"{type(below).__name__} (between Files "
-                                                   "and Tokenize)"}
-                break
-            below = below.src
-        else:
-            self._blocked = {}
         self._exhausted = False
 
     def _encode(self, texts):
@@ -1361,48 +1369,29 @@ class Tokenize(Stage):
             raise ValueError(f"field {column!r} is {type(record.get(column)).__name__}, not a "
                              f"string (keys: {sorted(record)})")
 
-    def _cut_points(self, text):
-        """Where a document is cut: every max_chars characters at most, at the last blank of
-        the piece's second half when there is one, so that words stay whole."""
-        points, n = [0], self.max_chars
-        while n is not None and len(text) - points[-1] > n:
-            end = points[-1] + n
-            blank = max(text.rfind(" ", end - n // 2, end), text.rfind("\n", end - n // 2, end))
-            points.append(blank + 1 if blank > 0 else end)
-        return points + [len(text)]
-
-    def _pieces(self, sample):
-        """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
-        be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
-        EnsureBosEos that only the first piece begins a document and the last ends it."""
-        text = sample[self.column]
-        if self.max_chars is None or len(text) <= self.max_chars:
-            return [sample]
-        points = self._cut_points(text)
-        count = next(self._cuts)
-        if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
-            log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
-                        "%d (%d documents cut by this process so far)", len(text),
-                        len(points) - 1, self.max_chars, count)
-        return [{**sample, self.column: text[a:b], "piece": [i, len(points) - 1]}
-                for i, (a, b) in enumerate(zip(points, points[1:]))]
-
     def _work(self, samples, seq):
-        for sample in samples:
-            if not isinstance(sample.get(self.column), str):
+        for sample in samples:  # (a token file's records come with their ids: passed on)
+            if not isinstance(sample.get(self.column), str) and "input_ids" not in sample:
                 raise ValueError(f"Tokenize: a sample has no string field {self.column!r} (keys: "
                                  f"{sorted(sample)}); Files(..., check=Tokenize.check_record) "
                                  "reports such records with their shard and line")
-        samples = [piece for sample in samples for piece in self._pieces(sample)]
+        pieces = [[s] if "input_ids" in s else _pieces(s, self.column, self.max_chars, self._cuts)
+                  for s in samples]
+        # Once piece i of n of document d is handed out, the state is (states[d + 1], skip 0)
+        # if it was the last, else (states[d], skip i + 1).
+        marks = [(d + 1, 0) if i == len(cut) - 1 else (d, i + 1)
+                 for d, cut in enumerate(pieces) for i in range(len(cut))]
+        samples = [piece for cut in pieces for piece in cut]
+        texts = [s for s in samples if "input_ids" not in s]
         # Encoded about 1M characters at a time: the tokenizer's own objects for the pieces of
         # one huge document would take a few GB if all were encoded in one call.
         ids, start, chars = [], 0, 0
-        for i, sample in enumerate(samples, 1):
+        for i, sample in enumerate(texts, 1):
             chars += len(sample[self.column])
-            if chars >= 1 << 20 or i == len(samples):
-                ids += self._encode([s[self.column] for s in samples[start:i]])
+            if chars >= 1 << 20 or i == len(texts):
+                ids += self._encode([s[self.column] for s in texts[start:i]])
                 start, chars = i, 0
-        for sample, sample_ids in zip(samples, ids):
+        for sample, sample_ids in zip(texts, ids):
             sample["input_ids"] = sample_ids
         # The thread frees the id lists it made itself, once their batch has been handed out:
         # a block freed by another thread takes the lock of the malloc arena it came from,
@@ -1411,16 +1400,16 @@ class Tokenize(Stage):
         made.append((seq, ids))
         while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
             made.popleft()
-        return samples, [_crc(s[self.column]) for s in samples]
+        return samples, [_crc(s.get(self.column, "")) for s in samples], marks
 
     def _submit(self):
-        state = self.src.state_dict()
-        samples, chars = [], 0
+        states, samples, chars = [self.src.state_dict()], [], 0
         try:
             # Without the character budget, 64 copies of a 10 MB document (an endless stream
             # of one document) were read per batch, 2 * num_threads batches ahead.
             while len(samples) < self.batch_size and chars < self.BATCH_CHARS:
                 samples.append(next(self.src))
+                states.append(self.src.state_dict())
                 text = samples[-1].get(self.column)
                 chars += len(text) if isinstance(text, str) else 0
         except StopIteration:
@@ -1429,7 +1418,7 @@ class Tokenize(Stage):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
             seq = self._popped + len(self._inflight)  # the batch's number, from 0
-            self._inflight.append((state, self._pool.submit(self._work, samples, seq)))
+            self._inflight.append((states, self._pool.submit(self._work, samples, seq)))
 
     def __next__(self):
         while self._pos == len(self._batch):
@@ -1437,11 +1426,12 @@ class Tokenize(Stage):
                 self._submit()
             if not self._inflight:
                 raise StopIteration
-            state, future = self._inflight.popleft()
-            self._batch, self._crcs = future.result()  # raises what the worker raised
+            self._states, future = self._inflight.popleft()
+            self._batch, self._crcs, self._marks = future.result()  # raises what it raised
             self._popped += 1  # (after the batch before is let go: see _work)
-            # A resumed skip may pass whole batches: one saved with bigger batches than these.
-            self._batch_state, self._pos = state, min(self._skip, len(self._batch))
+            # A resumed skip may pass whole batches: one saved by an older version counted
+            # the samples since the state before its batch, whatever their documents.
+            self._pos = min(self._skip, len(self._batch))
             self._skip -= self._pos
             if self._skipped[0] is not None:
                 self._check_skipped()
@@ -1459,11 +1449,12 @@ class Tokenize(Stage):
             self._skipped = (None, 0)
 
     def state_dict(self):
-        if self._batch_state is None:  # nothing handed out yet (or only what we resumed past)
+        if self._states is None:  # nothing handed out yet (or only what we resumed past)
             return self._state(upstream=self.src.state_dict(), skip=self._skip,
-                               crc=self._skipped[0], **self._blocked)
-        return self._state(upstream=self._batch_state, skip=self._pos,
-                           crc=_crcs(self._crcs[:self._pos]), **self._blocked)
+                               crc=self._skipped[0])
+        document, skip = self._marks[self._pos - 1]
+        crc = _crcs(self._crcs[self._pos - skip:self._pos]) if skip else None
+        return self._state(upstream=self._states[document], skip=skip, crc=crc)
 
     def load_state_dict(self, state):
         self._load(state)
@@ -1472,49 +1463,48 @@ class Tokenize(Stage):
         self._skipped = (state.get("crc") if self._skip else None, 0)
 
     def reshard_state(self, olds, ctx):
-        """Each old rank's upstream state, moved on past the documents (pieces) its consumer
-        had been handed (re-reading at most one batch), so that no slot re-reads or skips any."""
-        ctx.report["documents_reread"] += sum(old["skip"] for old in olds)
-        advanced = [self._advanced(old["upstream"], old["skip"], old.get("crc"))
-                    for old in olds]
-        return self._state(upstream=ctx.merge(self.src, advanced), skip=0)
-
-    def _advanced(self, state, n, crc):
-        """The upstream ``state`` (any old rank's) ``n`` documents (pieces) on: Files re-reads
-        as that rank did, through copies of the stages between it and here. Those must be
-        stages without state (Map, Filter): one with state of its own is refused by name."""
-        between, below, files = [], state, self.src
-        while not isinstance(files, Files):
-            if files is None or set(below) - {"config", "upstream"}:
-                name = type(files).__name__ if files else "a pipeline without Files"
-                raise ValueError(f"reshard: between Files and Tokenize only stages without "
-                                 f"state may stand (Map, Filter), not {name}")
-            between.append(files)
-            files, below = files.src, below["upstream"]
-        top = reader = files.reading_as(below)
-        try:
-            for stage in reversed(between):  # from Files up, each reading the copy below
-                above = copy.copy(stage)
-                above.src, top = top, above
-            crcs = []
-            while len(crcs) < n:
-                text = next(top)[self.column]
-                points = self._cut_points(text)
-                crcs += [_crc(text[a:b]) for a, b in zip(points, points[1:])]
-            if len(crcs) > n:
-                raise ValueError("a rank stopped inside a document that Tokenize had cut into "
-                                 "pieces (max_chars); resume on the same number of ranks")
-            if crc is not None and n and _crcs(crcs) != crc:
-                raise DataError(self.CHANGED)
-            return top.state_dict()
-        finally:
-            reader.close()
+        """The upstream states as they are: each is where its rank's consumer stood."""
+        if any(old["skip"] for old in olds):
+            raise ValueError("a rank stopped inside a document that Tokenize had cut into "
+                             "pieces (max_chars), or saved its state with an older version of "
+                             "data.py, whose skip runs past whole documents; resume on the same "
+                             "number of ranks, and change it at a later checkpoint")
+        return self._state(upstream=self._reshard_upstream(olds, ctx), skip=0, crc=None)
 
     def close(self):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._inflight.clear()
         super().close()
+
+
+def _cut_points(text, n):
+    """Where a document is cut: every ``n`` characters at most, at the last blank of the
+    piece's second half when there is one, so that words stay whole."""
+    points = [0]
+    while len(text) - points[-1] > n:
+        end = points[-1] + n
+        blank = max(text.rfind(" ", end - n // 2, end), text.rfind("\n", end - n // 2, end))
+        points.append(blank + 1 if blank > 0 else end)
+    return points + [len(text)]
+
+
+def _pieces(sample, column, max_chars, cuts):
+    """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
+    be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
+    EnsureBosEos that only the first piece begins a document and the last ends it.
+    ``cuts`` counts the documents cut, for the log."""
+    text = sample[column]
+    if max_chars is None or len(text) <= max_chars:
+        return [sample]
+    points = _cut_points(text, max_chars)
+    count = next(cuts)
+    if count == 1 or count % 1000 == 0:  # a corpus of books would flood the log
+        log.warning("Tokenize: cut a document of %d characters into %d pieces of at most "
+                    "%d (%d documents cut by this process so far)", len(text),
+                    len(points) - 1, max_chars, count)
+    return [{**sample, column: text[a:b], "piece": [i, len(points) - 1]}
+            for i, (a, b) in enumerate(zip(points, points[1:]))]
 
 
 class EnsureBosEos(Stage):
@@ -2141,8 +2131,8 @@ def first_read(pipeline):
 
 def reshard_blockers(state):
     """The stages of a saved loader state (any rank's) that cannot move to another number of
-    ranks: a stage that keeps state but has no reshard_state, or one that keeps state between
-    Files and Tokenize. A resume checks this at its start, before anything is built."""
+    ranks: a stage that keeps state but has no reshard_state. A resume checks this at its
+    start, before anything is built."""
     found, todo = [], [state]
     while todo:
         item = todo.pop()
@@ -2160,10 +2150,10 @@ def reshard(pipeline, states):
 
     The guarantee: every document is trained on exactly once, as in a run that never stopped;
     only the order changes. Each source slot (DESIGN.md section 4) continues from where the
-    rank that owned it had read (its Tokenize batch re-read only up to the documents it had
-    handed out), and the work a rank had buffered (shuffle buffer, leftover tokens) moves to
-    new rank ``old_rank % new_world_size``. With W unchanged each rank gets back its own
-    slots and buffers. reshard finds the pipeline's Files (which knows the new rank and world
+    rank that owned it had read up to the documents its Tokenize had handed out, and the work
+    a rank had buffered (shuffle buffer, leftover tokens) moves to new rank
+    ``old_rank % new_world_size``. With W unchanged each rank gets back its own slots and
+    buffers. reshard finds the pipeline's Files (which knows the new rank and world
     size) and asks the top stage for its merged state; each stage merges its own fields and
     asks its upstream in turn (Stage.reshard_state, Resharding.merge); a Mix reshards each
     domain's pipeline on its own. Stages whose state cannot be split this way (Take, Stride,
@@ -2189,8 +2179,8 @@ class Resharding:
     def __init__(self, rank, world_size, old_world_size):
         self.rank, self.world_size = rank, world_size
         self.mine = [i for i in range(old_world_size) if i % world_size == rank]
-        self.report = {"old_world_size": old_world_size, "documents_reread": 0,
-                       "sequences_moved": 0, "tokens_moved": 0}
+        self.report = {"old_world_size": old_world_size, "sequences_moved": 0,
+                       "tokens_moved": 0}
 
     def merge(self, stage, olds):
         """``stage``'s state on this rank, from the states its old ranks saved (``olds``)."""

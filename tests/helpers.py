@@ -2,6 +2,7 @@
 data of known content, pipelines cut and resumed, and the 2-rank runs on a corpus of
 fixed-length documents. Fixtures and pytest hooks are in conftest.py."""
 
+import array
 import contextlib
 import functools
 import gzip
@@ -21,6 +22,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pyarrow
@@ -32,7 +34,6 @@ from transformers import PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
 import utils  # noqa: E402
 
 # One thread each: faster for a model this small, and the same float sums in every process.
@@ -391,6 +392,14 @@ def stage(pipe, cls):
     return pipe
 
 
+def older_tokenize_state(tokenize, upstream, handed):
+    """A Tokenize state as older versions saved it: the upstream state before its batch, the
+    samples handed out since (``handed``: their texts) and a crc32 of their texts' crc32s."""
+    crcs = [zlib.crc32(text.encode("utf-8", "surrogatepass")) for text in handed]
+    return {"config": tokenize.config, "upstream": upstream, "skip": len(handed),
+            "crc": zlib.crc32(array.array("I", crcs).tobytes())}
+
+
 # -- A corpus whose documents can be read off the tokens: "d17 q w e ..." -------------------------
 
 N_IDS = 2000
@@ -463,22 +472,19 @@ def loader_states(exp_dir, step=None):
             for r in range(state["world_size"])]
 
 
-def consumed(states, urls):
+def consumed(states):
     """{slot: (url, byte offset)} after the documents each rank handed past Tokenize, and
     the sequences still buffered (none with fixed-length documents and --shuffle-buffer 1)."""
-    files = data.Files(urls, repeat=True, shuffle_shards=True, n_active_shards=4)
     slots, buffered = {}, 0
     for state in states:
         node = state
         while "skip" not in node:  # down to Tokenize's state
             buffered += len(node.get("rest", [])) + len(node.get("buffer", []))
             node = node["upstream"]
-        reader = files.reading_as(node["upstream"])
-        for _ in range(node["skip"]):
-            next(reader)
-        advanced = reader.state_dict()
-        reader.close()
-        for slot in advanced["slots"]:
+        # Tokenize's upstream state is where the documents it handed out end (no piece of a
+        # cut document was handed out here: the corpus has none).
+        assert node["skip"] == 0, node
+        for slot in node["upstream"]["slots"]:
             assert slot["pos"] % 4 not in slots, "two ranks read the same slot"
             slots[slot["pos"] % 4] = (slot["url"], slot["offset"])
     return slots, buffered

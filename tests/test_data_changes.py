@@ -211,3 +211,22 @@ def test_a_half_written_last_line_is_no_bad_record(tmp_path):
             message and "--skip-bad-records" not in message, message
     path.write_text('{"text": "a b"}\n{"text": "c d"}')  # a complete last line without "\n"
     assert [r["text"] for r in Files(str(path))] == ["a b", "c d"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_a_state_taken_after_every_record_is_the_one_taken_once(tmp_path, suffix):
+    """Tokenize takes a state of Files after every record, and Files saves anew only the slots
+    that read since its last state: each such state is the one a Files that reads as far and
+    takes only that one saves (the line or row read last included)."""
+    records = [{"text": f"document {i} " + "a b " * (i % 5)} for i in range(23)]
+    urls = [write_shard(tmp_path / f"{k}{suffix}", records[k::2], row_group_size=3)
+            for k in range(2)]
+    args = dict(repeat=True, epochs=2, shuffle_shards=True, n_active_shards=3)
+    every = Files(urls, **args)
+    for n in range(2 * len(records) + 1):
+        once = Files(urls, **args)
+        take(once, n)
+        assert json.dumps(every.state_dict()) == json.dumps(once.state_dict()), n
+        once.close()
+        take(every, 1)
+    every.close()

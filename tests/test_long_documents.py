@@ -10,6 +10,7 @@ import resource
 import pytest
 from helpers import (
     examples,
+    older_tokenize_state,
     run_with_cuts,
     take,
     toy_tokenizer,
@@ -125,23 +126,103 @@ def test_tokenize_resumes_exactly_whatever_the_batches(lengths, seed, budgets, m
 
 
 def test_a_skip_larger_than_the_first_batch_carries_on():
-    """A state saved with 8-record batches (an older version, no budget) 6 samples in,
-    loaded where each batch holds one document: the skip passes 6 batches, not 6 samples of
-    the first (which has one), and the stream goes on exactly."""
+    """A state as older versions saved it (a snapshot before a batch of 8 records, 6 samples
+    handed out since), loaded where each batch holds one document: the skip passes 6 batches,
+    not 6 samples of the first (which has one), and the stream goes on exactly."""
     items = texts([10] * 30, seed=1)  # 19 characters each
-    old = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
-    old.BATCH_CHARS = math.inf
-    straight = take(old, 40)
-    old = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
-    old.BATCH_CHARS = math.inf
-    take(old, 6)
-    state = json.loads(json.dumps(old.state_dict()))
-    assert state["skip"] == 6
+    straight = take(Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8), 40)
     new = Tokenize(Sequence(items, repeat=True), TOY, num_threads=1, batch_size=8)
     new.BATCH_CHARS = 19  # one document per batch
-    new.load_state_dict(state)
+    state = older_tokenize_state(new, Sequence(items, repeat=True).state_dict(),
+                                 [s["text"] for s in straight[:6]])
+    new.load_state_dict(json.loads(json.dumps(state)))
     assert take(new, 34) == straight[6:]
     assert len(new._batch) == 1
+
+
+def document_ends(samples):
+    """How many samples end at each document's end: [0, the first's pieces, ...]."""
+    ends = [0]
+    for n, sample in enumerate(samples, 1):
+        piece, pieces = sample.get("piece", (0, 1))
+        if piece == pieces - 1:
+            ends.append(n)
+    return ends
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=12), seed=st.integers(0, 3),
+       max_chars=st.sampled_from([None, 9]), threads=st.integers(1, 2),
+       documents=st.integers(0, 20), handed=st.integers(0, 12))
+def test_a_state_of_an_older_version_resumes_exactly(lengths, seed, max_chars, threads,
+                                                     documents, handed):
+    """Older versions saved Tokenize's upstream state before a batch, the samples handed out
+    since (across documents, pieces counted) and their crc: loaded, such a state goes on
+    exactly as the run that saved it would have; with another crc (the documents changed
+    since) it is refused, not trained twice."""
+    items = texts(lengths, seed)
+    straight = take(tokenize(items, math.inf, max_chars, threads), 300)
+    source = Sequence(items, repeat=True)
+    take(source, documents)
+    start = document_ends(straight)[documents]
+    handed = straight[start:start + handed]
+    state = json.loads(json.dumps(older_tokenize_state(
+        tokenize(items, 25, max_chars, threads), source.state_dict(),
+        [s["text"] for s in handed])))
+    resumed = tokenize(items, 25, max_chars, threads)
+    resumed.load_state_dict(state)
+    assert take(resumed, 20) == straight[start + len(handed):][:20]
+    resumed.close()
+    if handed:
+        changed = tokenize(items, 25, max_chars, threads)
+        changed.load_state_dict({**state, "crc": state["crc"] ^ 1})
+        with pytest.raises(data.DataError, match="changed since this run read it"):
+            take(changed, 20)
+        changed.close()
+
+
+def test_a_state_of_an_older_version_resumes_but_does_not_reshard(tmp_path):
+    """Its skip may run past whole documents, which no other number of ranks can place:
+    a reshard is refused, saying what to do; on its own number of ranks it resumes exactly."""
+    url = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": "a b " * (i % 4 + 1)})
+                                             for i in range(20)])
+
+    def pipe(rank=0, world=1):
+        return Tokenize(Files(url, n_active_shards=2, rank=rank, world_size=world), TOY,
+                        num_threads=1, batch_size=8)
+    straight = take(pipe(), 20)
+    state = older_tokenize_state(pipe(), Files(url, n_active_shards=2).state_dict(),
+                                 [s["text"] for s in straight[:3]])
+    with pytest.raises(ValueError, match="older version.* resume on the same number of ranks"):
+        data.reshard(pipe(0, 2), [state])
+    resumed = pipe()
+    resumed.load_state_dict(state)
+    assert take(resumed, 17) == straight[3:]
+
+
+def test_a_state_is_the_upstream_state_after_the_documents_handed_out(tmp_path):
+    """Tokenize's state holds the upstream state after the last document it handed out whole,
+    whatever it has read ahead: a Files state that a Files alone reaches after as many
+    records; inside a cut document, the state before it and the pieces handed out."""
+    lines = [json.dumps({"text": "a b c d e f g h i j k l" if i % 3 == 0 else "m n"})
+             for i in range(30)]
+    url = write_lines(tmp_path / "d.jsonl", lines)
+    tokenize = Tokenize(Files(url, n_active_shards=2), TOY, num_threads=2, batch_size=4,
+                        max_chars=10)
+    alone = Files(url, n_active_shards=2)
+    states = [alone.state_dict()]
+    states += [alone.state_dict() for _ in alone]  # (the loop reads a record each time)
+    documents = 0
+    for _ in range(40):
+        sample = next(tokenize)
+        piece, pieces = sample.get("piece", (0, 1))
+        documents += piece == pieces - 1
+        state = tokenize.state_dict()
+        if piece == pieces - 1:
+            assert (state["skip"], state["upstream"]) == (0, states[documents])
+        else:
+            assert (state["skip"], state["upstream"]) == (piece + 1, states[documents])
+    tokenize.close()
 
 
 @pytest.mark.parametrize("name", ["docs.jsonl", "docs.txt"])
