@@ -9,8 +9,8 @@ A pipeline of them: README.md, "Using data.py on its own"; train_llm.py's is bui
 The file reads top to bottom in the order a sample meets the stages:
 
     The stage protocol      Stage (state_dict, load_state_dict, reshard_state), the errors
-    Sources                 Files, then its readers (byte ranges, Parquet row groups, JSON
-                            arrays) and its retries; HFDataset, Sequence
+    Sources                 Files, Shards, their readers (byte ranges, Parquet row groups,
+                            JSON arrays, token files) and retries; HFDataset, Sequence
     Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
     Fine-tuning (SFT)       FormatInstructions, Pack, Pad
     Batching, prefetching   collate, Batch, Prefetch
@@ -18,8 +18,7 @@ The file reads top to bottom in the order a sample meets the stages:
     Resharding              reshard: the states of W ranks loaded into one of W' ranks
     The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
                             domain_weights, check_validation, skipped_records, source_epoch
-    Other stages            Map, Filter, Take, Stride, Chunk: not in train_llm.py's pipelines
-                            (it only cuts validation short with Take)
+    Other stages            Map, Filter, Take, Stride, Chunk (train_llm.py uses only Take)
 """
 
 import array
@@ -59,19 +58,11 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # ----------------------------------------------------------------------------------------------
 
 class Stage:
-    """What every stage shares: iteration, close(), the config fingerprint check, and the
-    state of a stage without state of its own (its config and its upstream's state).
-
-    ``config`` holds the arguments that shape the stream. It is saved with the state, and a
-    state saved under another config is refused: silently resuming a different stream is the
-    worst kind of bug, because training goes on and nobody notices.
-
-    A stage with state of its own (a position, a buffer, an RNG) overrides three methods side
-    by side: ``state_dict`` (built with ``_state(**fields)``), ``load_state_dict`` (``_load``
-    first), and ``reshard_state(olds, ctx)``, which merges the states that the ranks of an
-    earlier run saved into this rank's (see reshard), or refuses. A stage that forgets the
-    third is refused by reshard, never mishandled.
-    """
+    """What every stage shares: iteration, close(), the state of a stage without state of its
+    own, and the ``config`` check: a state saved under other arguments is refused (a different
+    stream resumed silently is the worst bug: nobody notices). A stage with state overrides
+    ``state_dict`` (``_state(**fields)``), ``load_state_dict`` (``_load`` first) and
+    ``reshard_state(olds, ctx)`` side by side (DESIGN.md section 2)."""
 
     src = None
     config = {}
@@ -86,11 +77,9 @@ class Stage:
         self._load(state)
 
     def reshard_state(self, olds, ctx):
-        """This rank's state, merged from ``olds``: the states of this stage that the ranks of
-        an earlier run saved, in rank order (see reshard; ``ctx`` is its Resharding). A stage
-        with state of its own overrides this; the default passes through a stage whose saved
-        states hold nothing but config and upstream, and refuses any other, so a new stage
-        with state is refused until it says how its state is split."""
+        """This rank's state, merged from ``olds`` (this stage's states of an earlier run's ranks,
+        in rank order; ``ctx``: reshard's Resharding). The default passes through a stage
+        without state of its own, and refuses any other until it says how to split its state."""
         if self.src is None or {key for old in olds for key in old} - {"config", "upstream"}:
             raise ValueError(f"reshard: the state of {type(self).__name__} cannot be split "
                              "across ranks")
@@ -223,16 +212,10 @@ def _cuts(units, n):
 
 
 class Shards:
-    """What the shards of a Files are: their kind (JSON Lines, text, a JSON array, Parquet),
-    how to open them (smart_open), and how they are cut into input splits (split, plan). Its
-    caches are derived from the files and never saved; Files keeps the books of reading them.
-
-    **Splits.** The shards are cut into input *splits* (see plan): a whole shard, or a
-    range of one (bytes of a JSON Lines shard, row groups of a Parquet shard, records of a JSON
-    array). A byte range owns the lines that *start* inside it, as Hadoop's line reader does:
-    its reader seeks to the start, skips to the first line start at or after it, and reads
-    through the line that crosses its end, so every line belongs to exactly one split.
-    """
+    """What the shards of a Files are: their kind, how to open them (smart_open), how they are
+    cut into input splits (a whole shard, or a range of one that owns the records *starting*
+    in it: DESIGN.md section 4), and how a split becomes records. Its caches are derived from
+    the files and never saved; Files keeps the books of reading them."""
 
     def __init__(self, urls, *, format=None, transport_params=None, retry=None,
                  required_fields=(), tokenizer=None):
@@ -424,30 +407,12 @@ class Shards:
 
 
 class Files(Stage):
-    """Shards of JSON Lines (plain or compressed), JSON arrays (as Alpaca's), text or Parquet
-    (DESIGN.md section 2 lists the suffixes; ``format`` reads shards whose names don't tell),
-    local or anywhere smart_open reaches (s3://, gs://, https://: ``transport_params``).
-
-    **Slots.** The stream is a round-robin over ``n_active_shards`` (S) *slots*, one record
-    from each in turn: slot s reads positions s, s + S, ... of the sequence of splits, epoch
-    after epoch (``repeat``: forever, or ``epochs`` passes; reshuffled with ``shuffle_shards``),
-    and waits at an epoch's end for the others, so every document comes once per epoch. With
-    ``rank=r, world_size=W`` only the slots s = r (mod W) are read (DESIGN.md section 4).
-
-    A slot's state says where its next record starts (a byte offset, a Parquet row group and
-    row, an index in a JSON array; DESIGN.md section 2) and, for JSON Lines, the length and
-    crc32 of the line it read last, checked when it reopens: a shard replaced since, even by
-    one of the same size, is refused as changed. Network faults are retried (_Retry, DESIGN.md
-    section 10) from where the next record starts, so faults never change the stream.
-    ``required_fields`` (e.g. ``["text"]``) or ``check(record)`` raising ValueError make a
-    record a bad record, reported with shard and line (skipped with ``skip_bad_records``); a
-    DataError from ``check`` stops the stream even then (DESIGN.md section 5). A ``.txt``
-    shard gives a record ``{"text": line}`` per non-blank line.
-
-    The class keeps the books (slots, epochs, state); what the shards are, how they are cut
-    and how a split's lines become records is Shards' (above); reading a split is done by the
-    generators below (_read_lines, _read_row_groups, _read_array), retries by _Retry.
-    """
+    """Shards (JSON Lines, JSON arrays, text, Parquet, token ids: DESIGN.md section 10) read by a
+    round-robin over ``n_active_shards`` *slots*, each reading its own input splits, epoch after
+    epoch; rank r of W reads only slots s = r (mod W) (DESIGN.md section 4). A slot's state
+    says where its next record starts, and what it read last (checked when it reopens). A
+    record failing ``required_fields`` or ``check`` is a bad record, named with shard and line
+    (``skip_bad_records`` skips it). Shards knows the files, _Retry retries network faults."""
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
@@ -477,10 +442,8 @@ class Files(Stage):
                        "shuffle_shards": shuffle_shards, "seed": seed,
                        "n_active_shards": n_active_shards, "rank": rank,
                        "world_size": world_size, "format": format, "split_plan": self.plan}
-        # Open slots: "pos" is the split's place in the endless sequence of epochs; the split
-        # is "url" from "start" to "end" (None: the shard's end); where the next record starts
-        # ("offset", "row_group" and "row", or "index"); "line" the lines (rows) of the split
-        # read so far, "records" of them the records handed out.
+        # Open slots: "pos" in the endless sequence of splits, the split, where the next record
+        # starts, lines and records read (DESIGN.md section 2, the Files row).
         self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
         self.slots = [slot for slot in self.slots if slot is not None]
         self.turn = 0         # which slot gives the next record
@@ -643,7 +606,8 @@ def _check_files(old, old_plan, new, plan):
 
 
 def _split_order(n, seed, epoch, shuffled):
-    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as cut."""
+    """The order in which an epoch reads ``n`` splits (Sequence: items): shuffled by (seed,
+    epoch), or as they are."""
     order = list(range(n))
     if shuffled:
         random.Random(f"{seed}-{epoch}").shuffle(order)
@@ -682,9 +646,6 @@ def _saved(slot):
     if "_line" in slot:
         text = slot.pop("_line")
         slot["last"] = [len(text), zlib.crc32(text)]
-    if "_ids" in slot:  # (a token file's: how many ids, and their crc32)
-        ids = slot.pop("_ids")
-        slot["last"] = [len(ids), zlib.crc32(ids.tobytes())]
     return slot
 
 
@@ -818,10 +779,8 @@ def _changed_row(url, where):
 
 
 def _check_last_line(f, url, offset, length, crc):
-    """Reads the ``length`` bytes before ``offset`` (``f`` is there): the line the run read
-    last, which must be what it was (its crc32). A same-size file with other lines (a shuffled
-    copy, a moved line break) would otherwise resume inside a line, and the resume would blame
-    a valid record, or read other documents without a word."""
+    """The ``length`` bytes before ``offset`` (``f`` is there), the line read last, must be what
+    they were (crc32): a same-size file with other lines must not resume inside a line."""
     got = 0
     for chunk in _chunks(f, length):  # (a decompressing read may return less than asked)
         got = zlib.crc32(chunk, got)
@@ -878,9 +837,8 @@ MAX_DOC_TOKENS = 1 << 24  # ids without an EOS that still make one document
 
 
 def token_layout(url, head, size, format=None):
-    """(bytes before the ids, their dtype, how many) of a token file, from its first 1,024
-    bytes and its size: .npy by its header, llm.c by its magic and version, else nanoGPT's
-    raw uint16 ids (``format`` names one). A file that is none of them is refused by name."""
+    """(bytes before the ids, their dtype, how many) of a token file from its first 1,024 bytes
+    and size: .npy, llm.c (magic, version) or nanoGPT's raw uint16 ids; none of them: refused."""
     if format == "npy" or format is None and url.split("?")[0].endswith(".npy"):
         f = io.BytesIO(head)
         try:
@@ -919,12 +877,10 @@ class _Ids:
 
     def _more(self):
         data = self.tail + self.f.read((1 << 20) * self.dtype.itemsize)
-        if len(data) == len(self.tail):
-            return False
         n = len(data) - len(data) % self.dtype.itemsize
         self.ids = np.concatenate([self.ids, np.frombuffer(data[:n], self.dtype)])
         self.tail = data[n:]
-        return True
+        return n > 0
 
     def until(self, value):
         """How many ids come before the next ``value`` (None: the file ends first)."""
@@ -932,9 +888,8 @@ class _Ids:
         while not (hits := np.flatnonzero(self.ids[seen:] == value)).size:
             seen = len(self.ids)
             if seen > MAX_DOC_TOKENS:
-                raise DataError(f"shard {self.url}: no EOS (id {value}) in the {seen:,} ids "
-                                f"from token {self.pos}: a token file ends every document with "
-                                "the EOS of the tokenizer that made it. Is --tokenizer that one?")
+                raise DataError(f"shard {self.url}: no EOS (id {value}) in the {seen:,} ids from "
+                                f"token {self.pos}: is --tokenizer the one that made the file?")
             if not self._more():
                 return None
         return seen + int(hits[0])
@@ -952,12 +907,11 @@ def _read_tokens(slot, open_shard, layout, tokenizer):
     """A token-file split, from the slot's token: the documents that start in it (at token 0 or
     after an EOS), each without its EOS; one that crosses its end is read to its EOS."""
     url, (base, dtype, count) = slot["url"], layout
-    if tokenizer is None or tokenizer.eos_token_id is None:
-        raise DataError(f"shard {url} is a token file: Files(tokenizer=...) must give the EOS "
-                        "that ends its documents")
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise DataError(f"shard {url} is a token file: Files(tokenizer=...) gives its EOS")
     eos, vocab, line = tokenizer.eos_token_id, len(tokenizer), slot["line"]
     at, end = slot["token"], count if slot["end"] is None else min(slot["end"], count)
-    before = slot["last"][0] if "last" in slot else min(at, 1)  # read again, and checked
+    before = slot["last"][0] // dtype.itemsize if "last" in slot else min(at, 1)  # (checked)
     with open_shard(url, base + (at - before) * dtype.itemsize) as f:
         first, ids = {"size": _check_size(f, slot)}, _Ids(f, dtype, at - before, url)
         seen = ids.take(before)
@@ -973,12 +927,11 @@ def _read_tokens(slot, open_shard, layout, tokenizer):
             if doc.size and (doc.max() >= vocab or doc.min() < 0):
                 bad = start + int(np.flatnonzero((doc >= vocab) | (doc < 0))[0])
                 raise DataError(f"shard {url}, token {bad}: id {doc[bad - start]} is not one of "
-                                f"the {vocab:,} ids of the tokenizer: the file was made with "
-                                "another tokenizer (pass it as --tokenizer)")
+                                f"the {vocab:,} ids of the tokenizer: pass the one that made it")
             if doc.size:  # (two EOS in a row: no document between them)
                 line += 1
                 yield {"input_ids": doc.tolist()}, {"token": ids.pos, "line": line,
-                                                    "_ids": read, **first}
+                                                    "_line": read.tobytes(), **first}
                 first = {}
 
 
@@ -1154,20 +1107,9 @@ class _Retry:
 # -- The other sources -------------------------------------------------------------------------
 
 class HFDataset(Stage):
-    """A Hugging Face ``datasets`` dataset as a source, read once or, with ``repeat``, for
-    ``epochs`` passes (None: forever).
-
-    A map-style ``Dataset`` (``load_from_disk``, ``load_dataset`` without streaming) is read by
-    index, 1024 rows at a time, in a seeded permutation per epoch with ``shuffle``; its state
-    is the epoch and index, so resuming is one lookup anywhere. An ``IterableDataset``
-    (``load_dataset(..., streaming=True)``) keeps its own state (``state_dict`` /
-    ``load_state_dict``: which shard, which example); to resume, datasets reopens that shard
-    and reads up to the example, so the cost grows with the position inside one shard, not in
-    the dataset. Every epoch after the first calls ``set_epoch``, which reshuffles the shard
-    order of a ``.shuffle()``d stream. datasets does not save the contents of its shuffle
-    buffer (``.shuffle(buffer_size=...)``), so such a stream does not resume exactly: shuffle
-    with the Shuffle stage instead. ``required_fields`` as for Files; the error names the row.
-    """
+    """A Hugging Face ``datasets`` dataset, read once or for ``epochs`` passes (``repeat``): a
+    ``Dataset`` by index (``shuffle``: a seeded permutation per epoch), an ``IterableDataset``
+    by its own state_dict (DESIGN.md section 10)."""
 
     def __init__(self, dataset, *, repeat=False, epochs=None, shuffle=False, seed=0,
                  required_fields=()):
@@ -1263,20 +1205,14 @@ class Sequence(Stage):
         self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
                        "seed": seed}
         self.epoch, self.pos = 0, 0
-        self._order = self._make_order(0)
-
-    def _make_order(self, epoch):
-        order = list(range(len(self.items)))
-        if self.shuffle:
-            random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
+        self._order = _split_order(len(self.items), seed, 0, shuffle)  # (as Files orders)
 
     def __next__(self):
         if self.pos == len(self.items):
             if not self.repeat or not self.items:
                 raise StopIteration
             self.epoch, self.pos = self.epoch + 1, 0
-            self._order = self._make_order(self.epoch)
+            self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
         item = self.items[self._order[self.pos]]
         self.pos += 1
         # A copy, because later stages add keys and the next epoch must see the original.
@@ -1288,7 +1224,7 @@ class Sequence(Stage):
     def load_state_dict(self, state):
         self._load(state)
         self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._make_order(self.epoch)
+        self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1306,20 +1242,11 @@ def _crcs(crcs, start=0):
 
 
 class Tokenize(Stage):
-    """Adds ``input_ids`` (a list of ints) by tokenizing ``sample[column]`` on a thread pool.
-
-    The consumer pulls ``batch_size`` documents, or fewer once they hold ``BATCH_CHARS``
-    characters (the document that reaches it ends the batch), taking the upstream state after
-    each (as Prefetch does), and submits the batch to the pool; up to ``2 * num_threads``
-    batches are in flight, so the work ahead is bounded in characters, not only in documents.
-    The state is the upstream state before the first document not wholly handed out, and how
-    many of its pieces were (``skip``: 0 unless max_chars cut it, then with ``crc``, a crc32 of
-    their texts, which a resume checks). A resume reads on from there, redoing only the work
-    that was in flight; a reshard merges the upstream states as they are.
-
-    Fast tokenizers are called through the Rust backend's ``encode_batch_fast``, which releases
-    the GIL, so that threads use several cores (its own pool is off: TOKENIZERS_PARALLELISM).
-    """
+    """Adds ``input_ids`` by tokenizing ``sample[column]`` on a thread pool, up to ``2 *
+    num_threads`` batches ahead; records that hold ``input_ids`` (a token file's) pass as they
+    are. The state is the upstream state before the first document not wholly handed out, and
+    how many of its pieces were (DESIGN.md section 2). A fast tokenizer's ``encode_batch_fast``
+    releases the GIL, so the threads use several cores."""
 
     # Not in the config: where a batch ends does not change the stream (a skip carries on into
     # the next batch), so states saved with other batches still resume exactly.
@@ -1490,10 +1417,9 @@ def _cut_points(text, n):
 
 
 def _pieces(sample, column, max_chars, cuts):
-    """A document longer than max_chars, cut into pieces: one 50 MB line would otherwise
-    be tokenized in one go and held whole downstream. ``piece`` = [i, n] tells
-    EnsureBosEos that only the first piece begins a document and the last ends it.
-    ``cuts`` counts the documents cut, for the log."""
+    """A document longer than max_chars, cut into pieces (one 50 MB line would be tokenized and
+    held whole): ``piece`` = [i, n] tells EnsureBosEos which begins and which ends it. ``cuts``
+    counts the documents cut, for the log."""
     text = sample[column]
     if max_chars is None or len(text) <= max_chars:
         return [sample]
@@ -1508,11 +1434,8 @@ def _pieces(sample, column, max_chars, cuts):
 
 
 class EnsureBosEos(Stage):
-    """Makes every document start with BOS and end with EOS, so documents stay separable.
-
-    When BOS and EOS are one token (GPT-2's <|endoftext|>) only EOS is appended: one separator
-    per document boundary is all a concatenated stream needs.
-    """
+    """Makes every document start with BOS and end with EOS, so documents stay separable; when
+    they are one token (GPT-2's <|endoftext|>) only EOS: one separator per boundary is enough."""
 
     def __init__(self, src, tokenizer):
         self.src, self.bos, self.eos = src, tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -1549,11 +1472,9 @@ def as_tensor(ids):
 
 
 class ConcatChunk(Stage):
-    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens.
-
-    No padding is wasted: the leftover of one document starts the next chunk. The leftover
-    is state. Only a final partial chunk at the end of a finite stream is dropped.
-    """
+    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens: the
+    leftover of one document (state) starts the next chunk; a finite stream's last partial
+    chunk is dropped."""
 
     def __init__(self, src, length):
         self.src, self.length = src, length
@@ -1607,13 +1528,9 @@ def from_json(data):
 
 
 class Shuffle(Stage):
-    """A buffered shuffle: fill a buffer of ``buffer_size`` samples, hand out a random one.
-
-    The buffer's contents and the RNG are state. Each sample is converted to JSON at most
-    once while it waits in the buffer (cached beside it), so snapshotting the state for every
-    item, as Prefetch does, costs a list copy and not a re-encoding of the whole buffer.
-    ``buffer_size=1`` is the identity.
-    """
+    """A buffered shuffle: fill a buffer of ``buffer_size`` samples (1: none), hand out a random
+    one. The buffer and the RNG are state; each sample is made JSON once, while it waits, so a
+    state per item (Prefetch's) costs a list copy, not the whole buffer encoded again."""
 
     def __init__(self, src, buffer_size, *, seed=0):
         self.src, self.buffer_size, self.seed = src, buffer_size, seed
@@ -1677,15 +1594,11 @@ def instruction_prompt(instruction, input="", preamble=PREAMBLE):
 
 
 class FormatInstructions(Stage):
-    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only.
-
-    A record with ``instruction``, ``output`` and an optional ``input`` is laid out with
-    PROMPT / PROMPT_WITH_INPUT. A record with ``messages`` ([{"role", "content"}, ...], the
-    last one the assistant's) goes through the tokenizer's chat template instead. The prompt's
-    labels are ``label_pad_id`` (-100, which the loss ignores): the model learns to answer,
-    not to ask. With the template, BOS starts and EOS ends the sample (a chat template decides
-    for itself), so a packed sequence keeps samples apart.
-    """
+    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only: an
+    ``instruction``/``input``/``output`` record laid out as instruction_prompt, a ``messages``
+    one through the tokenizer's chat template (DESIGN.md section 8). The prompt's labels are
+    ``label_pad_id`` (-100: the model learns to answer, not to ask); BOS and EOS keep packed
+    samples apart (a chat template places its own)."""
 
     def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
         self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
@@ -1770,13 +1683,10 @@ def _padded(ids, labels, length, pad_id, label_pad_id):
 
 class Pack(Stage):
     """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
-
-    A sample is never split: when the next one does not fit, the sequence is padded and the
-    sample starts the next one (it waits in the state). An over-long sample is truncated, or
-    dropped (and counted) with ``discard_long=True``. ``position_ids`` restart at 0 for every
-    packed sample, so attention that supports packing can keep samples apart; the first label
-    of each sample is ``label_pad_id``, so no sample is trained to predict the next one's start.
-    """
+    A sample that does not fit starts the next sequence (it waits in the state); an over-long
+    one is truncated, or dropped and counted (``discard_long``). ``position_ids`` restart at 0
+    for each sample, and its first label is ``label_pad_id``: no sample learns the next one's
+    start (DESIGN.md section 8)."""
 
     def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
         self.src, self.length, self.pad_id = src, length, pad_id
@@ -1842,13 +1752,9 @@ class Pack(Stage):
 
 
 class Pad(Stage):
-    """Pads each sample to ``length`` tokens for fine-tuning, one sample per sequence.
-
-    Emits ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on real tokens) and
-    ``labels`` (the sample's own ``labels`` if it has them, e.g. with the prompt masked, else
-    its ``input_ids``; ``label_pad_id`` on padding, which the loss ignores). A longer sample is
-    an error unless ``truncate=True``.
-    """
+    """Pads each sample to ``length`` tokens, one per sequence: ``input_ids`` (``pad_id``),
+    ``attention_mask``, ``labels`` (its own, or its ``input_ids``; ``label_pad_id`` on padding).
+    A longer sample is an error unless ``truncate=True``."""
 
     def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
         self.src, self.length, self.pad_id = src, length, pad_id
@@ -1872,9 +1778,8 @@ class Pad(Stage):
 
 def collate(samples, pin_memory=False):
     """Stacks the tensors of a list of samples, and makes one tensor of each field of numbers
-    (Mix's "domain"); other fields become lists. ``pin_memory``: the tensors go to page-locked
-    memory, from which a GPU copies them without making the host wait
-    (``.to(device, non_blocking=True)``)."""
+    (Mix's "domain"); other fields become lists. ``pin_memory``: page-locked, which a GPU
+    copies from without making the host wait (``.to(device, non_blocking=True)``)."""
     out = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
@@ -1894,10 +1799,8 @@ def collate(samples, pin_memory=False):
 
 
 class Batch(Stage):
-    """Groups ``batch_size`` samples into one (see collate; ``pin_memory`` too). The last batch
-    may be short unless ``drop_last``. A batch is built within one next(), so no partial batch
-    outlives it.
-    """
+    """Groups ``batch_size`` samples into one (collate), within one next(): no partial batch
+    is ever state. The last batch may be short unless ``drop_last``."""
 
     def __init__(self, src, batch_size, *, drop_last=False, pin_memory=False):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
@@ -1918,13 +1821,10 @@ class Batch(Stage):
 
 
 class Prefetch(Stage):
-    """Runs the upstream pipeline in a background thread, ``depth`` items ahead.
-
-    Each item crosses the queue together with the upstream state taken right after it was
-    produced, and state_dict() returns the state of the last item handed out: items still in
-    the queue at a checkpoint are simply produced again after a resume. The thread is a
-    daemon, so an abandoned pipeline never keeps the interpreter alive; close() stops it.
-    """
+    """Runs the upstream pipeline in a background thread, ``depth`` items ahead. Each item
+    crosses the queue with the upstream state taken right after it: state_dict() is the last
+    handed out's, and items still queued are produced again after a resume. The thread is a
+    daemon (an abandoned pipeline never keeps Python alive); close() stops it."""
 
     def __init__(self, src, depth=2):
         self.src, self.depth = src, depth
@@ -2000,20 +1900,12 @@ class Prefetch(Stage):
 class OnlineMixer:
     """Online Data Mixing (Albalak et al., 2023): the domains are the arms of a multi-armed
     bandit whose reward is the training loss, so sampling moves toward the domains the model
-    has not learned yet.
-
-    ``probabilities`` are the initial ``weights`` until ``warmup_steps`` are done; after that,
-    every ``update(losses, step)`` (``losses``: {domain index: mean loss in this step's batch})
-    smooths the rewards R with ``alpha`` and recomputes the probabilities, keeping an
-    exploration floor eps_t = min(1/K, sqrt(ln K / (K t))) under every domain:
-
-    - ``exp3`` (the paper): R_i <- a R_i + (1 - a) L_i / p_i for the domains in the batch;
-      p = (1 - K eps_t) softmax(eps_{t-1} R) + eps_t.
-    - ``smoothed-mean`` (the public code): R_i <- a R_i + (1 - a) exp(L_i);
-      p_i = (1 - K eps_t) R_i / sum_j R_j + eps_t.
-
-    All of its state is plain numbers, saved with the Mix stage that samples from it.
-    """
+    has not learned yet. ``probabilities`` are the ``weights`` until ``warmup_steps`` are done;
+    then every ``update(losses, step)`` ({domain index: mean loss}) smooths the rewards R with
+    ``alpha`` and recomputes them over an exploration floor eps_t = min(1/K, sqrt(ln K / (K t))):
+    ``exp3`` (the paper): R_i <- a R_i + (1 - a) L_i / p_i, p = (1 - K eps_t) softmax(eps_{t-1}
+    R) + eps_t; ``smoothed-mean`` (its code): R_i <- a R_i + (1 - a) exp(L_i), p_i = (1 - K
+    eps_t) R_i / sum_j R_j + eps_t. Its state is plain numbers, saved with Mix's."""
 
     def __init__(self, weights, *, variant="exp3", alpha=0.9, warmup_steps=0):
         if variant not in ("exp3", "smoothed-mean"):
@@ -2060,13 +1952,9 @@ class OnlineMixer:
 
 class Mix(Stage):
     """Interleaves named pipelines: each sample's domain is drawn with this stage's own RNG
-    from the current probabilities (fixed ``weights``, or an OnlineMixer's), and the sample is
-    tagged with its domain's index (``sample["domain"]``).
-
-    The draw depends on training losses when a mixer adapts, so Mix must run in the consumer
-    (the training loop's thread): put a Prefetch under each domain's pipeline, never above
-    Mix. The state holds every domain pipeline's state, the RNG and the mixer.
-    """
+    from the current probabilities (fixed ``weights``, or a ``mixer``'s: DESIGN.md section 9)
+    and tagged as ``sample["domain"]``. The draw depends on training losses when a mixer
+    adapts, so Mix runs in the training loop's thread: Prefetch goes under it, never above."""
 
     def __init__(self, pipelines, weights=None, *, seed=0, mixer=None):
         self.names, self.pipelines = list(pipelines), list(pipelines.values())
@@ -2146,20 +2034,10 @@ def reshard_blockers(state):
 
 def reshard(pipeline, states):
     """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states
-    that the W ranks of an earlier run saved, one per rank, in rank order.
-
-    The guarantee: every document is trained on exactly once, as in a run that never stopped;
-    only the order changes. Each source slot (DESIGN.md section 4) continues from where the
-    rank that owned it had read up to the documents its Tokenize had handed out, and the work
-    a rank had buffered (shuffle buffer, leftover tokens) moves to new rank
-    ``old_rank % new_world_size``. With W unchanged each rank gets back its own slots and
-    buffers. reshard finds the pipeline's Files (which knows the new rank and world
-    size) and asks the top stage for its merged state; each stage merges its own fields and
-    asks its upstream in turn (Stage.reshard_state, Resharding.merge); a Mix reshards each
-    domain's pipeline on its own. Stages whose state cannot be split this way (Take, Stride,
-    Chunk, Sequence) keep the default reshard_state, which refuses them. Returns counts for
-    the log.
-    """
+    that the W ranks of an earlier run saved, in rank order: every document is trained on
+    exactly once, only the order changes (DESIGN.md section 4). Each stage merges its own
+    fields and asks its upstream in turn (Stage.reshard_state, Resharding.merge); one that
+    cannot (Take, Stride, Chunk, Sequence) is refused. Returns counts for the log."""
     files = pipeline
     while not isinstance(files, Files):  # (through a Mix: its first domain's)
         below = files.pipelines[0] if isinstance(files, Mix) else files.src
@@ -2204,17 +2082,11 @@ class Resharding:
 
 def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, sft=False,
            tokenizer=None, skip_bad_records=False, format=None):
-    """The documents of a --dataset: shards of JSONL/Parquet/text (paths, globs, {a,b}
-    patterns, directories, s3:// gs:// https:// URLs) go to Files; a directory made by
-    save_to_disk, or a Hugging Face Hub name, to HFDataset. NAME:SPLIT picks a split (default:
-    train, or validation where not ``train``). Training reads endlessly (or ``epochs``
-    passes) in a seeded order; otherwise once, in order.
-
-    The global document order is a round-robin over ``slots`` slots, each reading its own
-    input splits (a shard, or a piece of one). Rank r of W reads only slots r, r + W, ...:
-    documents r, r + W, ... of that order, and nothing it would throw away. Data that cannot
-    be cut into ``slots`` splits is refused for training, read in fewer slots otherwise.
-    """
+    """The documents of a --dataset: shards (paths, globs, {a,b} patterns, directories, URLs)
+    go to Files over ``slots`` slots, a save_to_disk directory or a Hub name (NAME:SPLIT) to
+    HFDataset (DESIGN.md section 10). Training reads endlessly (or ``epochs`` passes) in a
+    seeded order; otherwise once, in order. Data that cannot be cut into ``slots`` splits is
+    refused for training, read in fewer slots otherwise."""
     required = [] if sft else ["text"]
     local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
     name, split = spec, ""
@@ -2237,10 +2109,9 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
                           rank=rank, world_size=world_size, required_fields=required,
                           check=check, skip_bad_records=skip_bad_records, format=format,
                           n_active_shards=slots, tokenizer=tokenizer)
-            if sft and (tokens := [u for u in files.urls if format in TOKEN_FORMATS
-                                   or shard_format(u) == "tokens"]):
-                raise DataError(f"--task sft reads instructions or conversations; {tokens[0]} "
-                                "is a token file, which holds only ids (train on it as pretrain)")
+            if sft and any(format in TOKEN_FORMATS or shard_format(u) == "tokens"
+                           for u in files.urls):
+                raise DataError("--task sft reads instructions: a token file holds only ids")
             return files
         except SplitError as e:
             if train:
@@ -2298,10 +2169,8 @@ def find_domains(pattern, like=None):
 
 
 def natural_sizes(pattern):
-    """{domain: bytes of its files, as stored}: what drawing from all the domains' documents
-    at once (plain concatenation) samples in proportion to (--mix natural). Bytes, not tokens:
-    known without reading the data; a compressed domain counts its compressed bytes (a
-    warning when some shards are compressed and others not)."""
+    """{domain: bytes of its files, as stored} (--mix natural: what plain concatenation samples
+    by; bytes are known without reading the data). Compressed beside plain shards: a warning."""
     shards = {name: expand_urls(urls) for name, urls in find_domains(pattern).items()}
     packed = {name: [url.endswith(_COMPRESSED) for url in urls] for name, urls in shards.items()}
     if len({flag for flags in packed.values() for flag in flags}) > 1:
@@ -2455,11 +2324,8 @@ class Stride(Stage):
 
 
 class Chunk(Stage):
-    """Cuts each document on its own into pieces of ``length`` tokens.
-
-    The short tail of a document is dropped unless ``drop_remainder=False``. Emits only
-    ``input_ids``, as a 1-D long tensor. The uncut rest of the current document is state.
-    """
+    """Cuts each document on its own into ``input_ids`` tensors of ``length`` tokens (its short
+    tail dropped unless ``drop_remainder=False``); the uncut rest of a document is state."""
 
     def __init__(self, src, length, *, drop_remainder=True):
         self.src, self.length, self.drop_remainder = src, length, drop_remainder
