@@ -408,8 +408,7 @@ def refuse_reshard(exp_dir, state, world_size):
     if saved != world_size and (blockers := data.reshard_blockers(loader)):
         sys.exit(f"Cannot resume on {world_size} rank(s) what {saved} saved: the data "
                  f"pipeline's {', '.join(blockers)} keeps state that cannot be split across "
-                 f"ranks. Resume on {saved} rank(s), or give the stage a reshard_state (a stage "
-                 "between Files and Tokenize must keep none: put it after Tokenize); DESIGN.md "
+                 f"ranks. Resume on {saved} rank(s), or give the stage a reshard_state; DESIGN.md "
                  "section 4. Nothing was changed.")
 
 
