@@ -23,6 +23,7 @@ from helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 import data
 from data import DataError, Files
@@ -202,19 +203,25 @@ def test_token_files_made_from_the_corpus_train_as_its_text_does(
     assert a == b
 
 
-@pytest.mark.slow
-def test_a_token_file_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, tiny_model):
-    """One nanoGPT train.bin (the whole corpus) over 8 slots, SIGKILLed after step 14."""
+def corpus_ids():
+    """The shipped corpus's training documents, as the shipped tokenizer's ids."""
     docs = []
     for path in sorted(ROOT.glob("data/sample/*/train-*.jsonl")):
         docs += [json.loads(line)["text"] for line in path.read_text().splitlines()]
-    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
-    ids = tokenizer(docs, add_special_tokens=False)["input_ids"]
-    write_tokens(tmp_path / "train.bin", ids, "nanogpt")
+    return tokenizer, tokenizer(docs, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["nanogpt", "llmc", "npy"])
+def test_a_token_file_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, tiny_model,
+                                                                         layout):
+    """One token file of the whole corpus over 8 slots, SIGKILLed after step 14."""
+    path = tmp_path / ("train.npy" if layout == "npy" else "train.bin")
+    write_tokens(path, corpus_ids()[1], layout)
 
     def args(name):
-        return train_args(tmp_path, tiny_model, name, dataset=tmp_path / "train.bin")
+        return train_args(tmp_path, tiny_model, name, dataset=path)
 
     result = train(args("straight"))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -222,6 +229,30 @@ def test_a_token_file_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_pat
     result = train(args("killed"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(tmp_path / "killed", tmp_path / "straight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["nanogpt", "llmc", "npy"])
+def test_the_corpus_as_one_token_file_reshards_from_2_ranks_to_1(tmp_path, layout):
+    """Both ranks stop partway; one rank reads on from their states: every document of the
+    corpus once in the epoch, none skipped or repeated."""
+    tokenizer, ids = corpus_ids()
+    path = write_tokens(tmp_path / ("c.npy" if layout == "npy" else "c.bin"), ids, layout)
+
+    def make(rank, world):
+        return data.source(path, train=True, rank=rank, world_size=world, epochs=1,
+                           tokenizer=tokenizer)
+
+    before, states = [], []
+    for rank, n in ((0, 40), (1, 25)):
+        pipe = make(rank, 2)
+        before += [tuple(next(pipe)["input_ids"]) for _ in range(n)]
+        states.append(json.loads(json.dumps(pipe.state_dict())))
+    pipe = make(0, 1)
+    data.reshard(pipe, states)
+    after = [tuple(r["input_ids"]) for r in pipe]
+    assert collections.Counter(before + after) == collections.Counter(
+        tuple(d) for d in ids if d)
 
 
 def test_a_token_file_for_sft_is_refused(tmp_path, tiny_model):
