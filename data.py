@@ -170,9 +170,8 @@ def shard_format(url):
 
 
 def expand_urls(urls):
-    """Brace patterns, local globs and local directories -> a sorted-as-given list of URLs,
-    each once. A local path that exists is that file, whatever characters its name holds
-    (``x[1].jsonl``, ``a*.jsonl``); only a path that does not exist is a pattern."""
+    """Brace patterns, local globs and directories -> a sorted-as-given list of URLs, each once.
+    A local path that exists is that file, whatever its name (``x[1].jsonl``), not a pattern."""
     out = []
     for pattern in [urls] if isinstance(urls, str) else urls:
         literal = "://" not in pattern and os.path.isfile(pattern)
@@ -528,7 +527,8 @@ class Files(Stage):
             # One long line cut into 8 splits leaves 7 that own no line start; opening each,
             # every epoch, read the rest of that line to find one.
             return None
-        self.shards.kind(slot["url"])  # known before the retries, which must not nest
+        if self.shards.kind(slot["url"]) == "tokens":  # known before the retries, which must
+            self.shards.tokens(slot["url"])             # not nest
         while (item := self._retry.next(self._files, i, slot, self.shards.reader)) is not None:
             data, where = item
             slot.update(where)
@@ -654,9 +654,8 @@ def _row_crc(record):
 
 
 def _check_formats(urls, format):
-    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet),
-    with a DataError: the data is wrong, and the message names the library argument and the
-    train_llm.py flag that say the format."""
+    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet): a
+    DataError that names the argument and the train_llm.py flag that say the format."""
     if format not in (None, "jsonl", "parquet", "text", *TOKEN_FORMATS):
         raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text', one of "
                          f"{TOKEN_FORMATS} or None (by suffix)")
@@ -876,17 +875,20 @@ class _Ids:
         self.ids, self.tail = np.zeros(0, dtype), b""  # tail: a read that ended inside an id
 
     def _more(self):
-        data = self.tail + self.f.read((1 << 20) * self.dtype.itemsize)
+        data = self.tail + (chunk := self.f.read((1 << 20) * self.dtype.itemsize))
         n = len(data) - len(data) % self.dtype.itemsize
         self.ids = np.concatenate([self.ids, np.frombuffer(data[:n], self.dtype)])
         self.tail = data[n:]
-        return n > 0
+        return bool(chunk)
 
     def until(self, value):
-        """How many ids come before the next ``value`` (None: the file ends first)."""
-        seen = 0
-        while not (hits := np.flatnonzero(self.ids[seen:] == value)).size:
-            seen = len(self.ids)
+        """How many ids come before the next ``value`` (None: the file ends first), looked for
+        in windows that double: a short document costs what it holds, not the buffer."""
+        seen, window = 0, 256
+        while not (hits := np.flatnonzero(self.ids[seen:seen + window] == value)).size:
+            seen, window = min(seen + window, len(self.ids)), window * 2
+            if seen < len(self.ids):
+                continue
             if seen > MAX_DOC_TOKENS:
                 raise DataError(f"shard {self.url}: no EOS (id {value}) in the {seen:,} ids from "
                                 f"token {self.pos}: is --tokenizer the one that made the file?")
@@ -910,6 +912,8 @@ def _read_tokens(slot, open_shard, layout, tokenizer):
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise DataError(f"shard {url} is a token file: Files(tokenizer=...) gives its EOS")
     eos, vocab, line = tokenizer.eos_token_id, len(tokenizer), slot["line"]
+    if base == 0 and vocab > 1 << 16:  # (nanoGPT's: uint16, which cannot hold such ids)
+        raise DataError(f"shard {url}: raw uint16 ids, and the tokenizer has {vocab:,}")
     at, end = slot["token"], count if slot["end"] is None else min(slot["end"], count)
     before = slot["last"][0] // dtype.itemsize if "last" in slot else min(at, 1)  # (checked)
     with open_shard(url, base + (at - before) * dtype.itemsize) as f:
@@ -1337,8 +1341,9 @@ class Tokenize(Stage):
             while len(samples) < self.batch_size and chars < self.BATCH_CHARS:
                 samples.append(next(self.src))
                 states.append(self.src.state_dict())
-                text = samples[-1].get(self.column)
-                chars += len(text) if isinstance(text, str) else 0
+                text = samples[-1].get(self.column)  # (a token file's ids: 4 characters each)
+                chars += len(text) if isinstance(text, str) else 4 * len(samples[-1].get(
+                    "input_ids", ()))
         except StopIteration:
             self._exhausted = True
         if samples:
@@ -1455,9 +1460,8 @@ class EnsureBosEos(Stage):
 
 
 def as_int64(ids, stage):
-    """A document's ids as the bytes of int64s, for ``array('q').frombytes``. Read as
-    ``array('Q')``, which converts a list of ints 2.5x faster than ``array('q')`` (that one
-    parses each item as a function argument); so a negative id is refused here, by name."""
+    """A document's ids as the bytes of int64s, for ``array('q').frombytes``, made by
+    ``array('Q')``, 2.5x faster than ``array('q')``: so a negative id is refused, by name."""
     try:
         return memoryview(array.array("Q", ids)).cast("B")
     except OverflowError:
@@ -1472,9 +1476,8 @@ def as_tensor(ids):
 
 
 class ConcatChunk(Stage):
-    """Concatenates documents and cuts the stream into chunks of exactly ``length`` tokens: the
-    leftover of one document (state) starts the next chunk; a finite stream's last partial
-    chunk is dropped."""
+    """Concatenates documents into chunks of exactly ``length`` tokens: the leftover of one
+    (state) starts the next; a finite stream's last partial chunk is dropped."""
 
     def __init__(self, src, length):
         self.src, self.length = src, length
@@ -1752,9 +1755,8 @@ class Pack(Stage):
 
 
 class Pad(Stage):
-    """Pads each sample to ``length`` tokens, one per sequence: ``input_ids`` (``pad_id``),
-    ``attention_mask``, ``labels`` (its own, or its ``input_ids``; ``label_pad_id`` on padding).
-    A longer sample is an error unless ``truncate=True``."""
+    """Pads each sample to ``length`` tokens (a longer one is an error unless ``truncate``):
+    ``input_ids``, ``attention_mask``, ``labels`` (its own, or its ids; padding not scored)."""
 
     def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
         self.src, self.length, self.pad_id = src, length, pad_id
@@ -2018,9 +2020,8 @@ def first_read(pipeline):
 
 
 def reshard_blockers(state):
-    """The stages of a saved loader state (any rank's) that cannot move to another number of
-    ranks: a stage that keeps state but has no reshard_state. A resume checks this at its
-    start, before anything is built."""
+    """The stages of a saved loader state (any rank's) that keep state but have no
+    reshard_state: checked at a resume's start, before anything is built."""
     found, todo = [], [state]
     while todo:
         item = todo.pop()
@@ -2151,9 +2152,8 @@ def sft_format(spec, **source_args):
 
 
 def find_domains(pattern, like=None):
-    """{domain: its shards}: the directories that the first * of ``pattern`` stands for, so
-    "data/sample/*/train-*.jsonl" has the domains code, docstrings, prose and reference.
-    ``like``: the domains (of the training data) that these must be."""
+    """{domain: its shards}: the directories that the first * of ``pattern`` stands for
+    ("data/sample/*/train-*.jsonl": code, docstrings, ...); ``like``: the ones they must be."""
     root, _, rest = pattern.partition("/*/")
     if not rest:
         raise DataError(f"--mix/--odm need domains as directories: a --dataset like "

@@ -15,6 +15,7 @@ train_llm.json tells): nothing else is ever replaced.
 """
 
 import argparse
+import fcntl
 import sys
 from pathlib import Path
 
@@ -53,10 +54,17 @@ def main():
     else:
         checkpoint = kit.find_checkpoint(source).resolve()
     own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
-    if args.out is None and not (args.run_dir / "state.json").exists():
+    run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
+    if args.out is None and not run:
         sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     args.out = args.out or own
-    owned = args.out.resolve() == own.resolve() and (args.run_dir / "state.json").exists()
+    owned = run and args.out.resolve() == own.resolve()
+    if owned:  # never beside a run that is training there (and may be exporting): its lock
+        lock = open(args.run_dir / ".lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"{args.run_dir} is training: export it once it has finished, or pass --out")
     if owned and args.checkpoint is None:  # as the run writes it: the path inside the run
         checkpoint = checkpoint.relative_to(args.run_dir.resolve())
     kit.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint),

@@ -8,8 +8,8 @@ llm.c store their data, so that the same documents train from either:
 One token file per input shard, at the same place under --out (a domain's directory stays a
 domain for --mix). The layouts (DESIGN.md section 10):
 
-    nanogpt  raw token ids (uint16; uint32 for a vocabulary past 65,536), EOS after each
-             document, as nanoGPT's prepare.py writes train.bin
+    nanogpt  raw uint16 token ids (a vocabulary of at most 65,536), EOS after each document,
+             as nanoGPT's prepare.py writes train.bin
     llmc     a header of 256 int32 (magic 20240520, version 1, the token count; uint32 ids:
              20240801, version 7), then the ids, EOS before each document, as llm.c's dev/data
     npy      a numpy .npy array of the ids, EOS after each document
@@ -83,13 +83,24 @@ def main():
     common = os.path.commonpath([os.path.dirname(os.path.abspath(url)) for url in urls])
     suffix = ".npy" if args.layout == "npy" else ".bin"
     dtype = np.uint32 if len(tokenizer) > 1 << 16 else np.uint16
-    for url in urls:
+    if dtype == np.uint32 and args.layout == "nanogpt":
+        sys.exit(f"--layout nanogpt stores uint16 ids, and {args.tokenizer} has "
+                 f"{len(tokenizer):,}: pass --layout llmc or npy")
+    outs = {}
+    for url in urls:  # every output's name first: two shards never write one file
         relative = Path(os.path.relpath(os.path.abspath(url), common))
-        name = relative.name.split(".")[0] + suffix  # (train-00000.jsonl.gz: train-00000)
+        name = relative.name
+        for ending in (*data._COMPRESSED, ".jsonl", ".json", ".ndjson", ".parquet", ".txt"):
+            name = name.removesuffix(ending)  # (train-00000.jsonl.gz: train-00000)
+        out = args.out / relative.parent / (name + suffix)
+        if out in outs.values():
+            sys.exit(f"{url} and another shard would both be written as {out}: nothing written")
+        outs[url] = out
+    for url, out in outs.items():
         ids = token_ids(url, tokenizer, args.column, tokenizer.eos_token_id,
                         eos_first=args.layout == "llmc", dtype=dtype)
-        write(args.out / relative.parent / name, ids, args.layout)
-        print(f"{url}: {len(ids):,} tokens -> {args.out / relative.parent / name}")
+        write(out, ids, args.layout)
+        print(f"{url}: {len(ids):,} tokens -> {out}")
 
 
 if __name__ == "__main__":

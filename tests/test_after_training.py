@@ -3,6 +3,7 @@ again when a kill or a full disk cut it short; never over what the kit did not w
 scripts/export_hf.py, scripts/generate.py, and --init-from (its weights exactly, its tokenizer
 kept)."""
 
+import fcntl
 import json
 import resource
 import shutil
@@ -215,6 +216,24 @@ def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, ca
     assert not (tmp_path / "export.tmp").exists()
     assert same_weights(weights(out), utils.load_trained(exp / "checkpoints/step-000002")[0]
                         .state_dict())
+
+
+@pytest.mark.slow
+def test_export_hf_without_out_writes_only_a_run_s_own_hf_and_never_beside_its_training(
+        four_steps, tmp_path, capsys, monkeypatch):
+    """A checkpoint directory is no run: no hf/ inside it. A run whose lock is held (it is
+    training, and may be exporting) is left alone."""
+    exp = copy_run(four_steps, tmp_path)
+    ckpt = exp / "checkpoints/step-000002"
+    with pytest.raises(SystemExit, match="is no run directory: pass --out"):
+        script("export_hf", [ckpt], capsys, monkeypatch)
+    assert not (ckpt / "hf").exists()
+    before = snapshot(exp / "hf")
+    with open(exp / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run training there holds it
+        with pytest.raises(SystemExit, match="is training: export it once it has finished"):
+            script("export_hf", [exp], capsys, monkeypatch)
+    assert snapshot(exp / "hf") == before
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ into token ranges like any shard, a resume seeks to its saved token, and a file 
 of the layouts, or holds an id the tokenizer lacks, is refused naming the shard."""
 
 import collections
+import gzip
 import json
 import tempfile
 
@@ -39,43 +40,58 @@ class Ids:
         return VOCAB
 
 
-def write_tokens(path, docs, layout, dtype=np.uint16):
+def write_tokens(path, docs, layout, dtype="<u2", last_eos=True):
     """``docs`` (lists of ids) as one token file: nanoGPT and .npy put EOS after each, llm.c
-    before each (as their own tools write them)."""
-    ids = np.array([t for d in docs for t in ([EOS, *d] if layout == "llmc" else [*d, EOS])],
-                   dtype=dtype)
+    before each (as their own tools write them); ``dtype``: llm.c's "<u4" (its version 7
+    header), any for .npy; without ``last_eos`` the last document of a nanoGPT or .npy file
+    ends with the file."""
+    ids = [t for d in docs for t in ([EOS, *d] if layout == "llmc" else [*d, EOS])]
+    ids = np.array(ids[:-1] if ids and not last_eos and layout != "llmc" else ids, dtype=dtype)
     with open(path, "wb") as f:
         if layout == "npy":
             np.save(f, ids)
         elif layout == "llmc":
-            f.write(np.array([20240520, 1, len(ids)] + [0] * 253, dtype="<i4").tobytes())
+            header = [20240801, 7] if ids.dtype.itemsize == 4 else [20240520, 1]
+            f.write(np.array([*header, len(ids)] + [0] * 253, dtype="<i4").tobytes())
         if layout != "npy":
             f.write(ids.tobytes())
     return str(path)
 
 
-def documents(sizes, seed):
-    """Lists of ids without EOS; each document's first two ids say which it is."""
+def documents(sizes, seed, empty=False):
+    """Lists of ids without EOS; each document's first two ids say which it is. ``empty``: an
+    empty document (two EOS in a row: none) after every third."""
     rng = np.random.default_rng(seed)
-    return [[[f + 1, d + 1, *rng.integers(1, VOCAB, rng.choice([0, 1, 5, 40])).tolist()]
-             for d in range(n)] for f, n in enumerate(sizes)]
+    return [[doc for d in range(n) for doc in
+             [[f + 1, d + 1, *rng.integers(1, VOCAB, rng.choice([0, 1, 5, 40])).tolist()],
+              *([[]] if empty and d % 3 == 2 else [])]] for f, n in enumerate(sizes)]
+
+
+LAYOUTS = [("nanogpt", "<u2"), ("llmc", "<u2"), ("llmc", "<u4"), ("npy", "<u2"), ("npy", ">u4"),
+           ("npy", "<i8")]
 
 
 @settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.sampled_from([0, 1, 3, 9, 30]), min_size=1, max_size=4),
-       layout=st.sampled_from(["nanogpt", "llmc", "npy"]), slots=st.integers(1, 8),
+       layout=st.sampled_from(LAYOUTS), last_eos=st.booleans(), empty=st.booleans(),
+       slots=st.integers(1, 8),
        world_pick=st.integers(0, 7), epochs=st.integers(1, 2), shuffle=st.booleans(),
        seed=st.integers(0, 3), cuts=st.lists(st.integers(0, 60), max_size=3),
        reshard_pick=st.integers(0, 7), reshard_at=st.integers(0, 30))
 def test_token_files_give_every_document_once_per_epoch_and_resume_exactly(
-        sizes, layout, slots, world_pick, epochs, shuffle, seed, cuts, reshard_pick, reshard_at):
+        sizes, layout, last_eos, empty, slots, world_pick, epochs, shuffle, seed, cuts,
+        reshard_pick, reshard_at):
+    """Empty documents are none; a last document without its EOS is one."""
     divisors = [w for w in range(1, slots + 1) if slots % w == 0]
     world, new_world = (divisors[i % len(divisors)] for i in (world_pick, reshard_pick))
-    docs = documents(sizes, seed)
-    expected = collections.Counter(tuple(d) for f in docs for d in f for _ in range(epochs))
+    docs = documents(sizes, seed, empty)
+    expected = collections.Counter(tuple(d) for f in docs for d in f if d
+                                   for _ in range(epochs))
+    (layout, dtype) = layout
     with tempfile.TemporaryDirectory() as tmp:
         suffix = ".npy" if layout == "npy" else ".bin"
-        urls = [write_tokens(f"{tmp}/part-{i}{suffix}", f, layout) for i, f in enumerate(docs)]
+        urls = [write_tokens(f"{tmp}/part-{i}{suffix}", f, layout, dtype, last_eos)
+                for i, f in enumerate(docs)]
 
         def make(rank=0, world_size=world):
             return Files(urls, repeat=True, epochs=epochs, shuffle_shards=shuffle, seed=seed,
@@ -160,6 +176,30 @@ def test_bad_token_files_are_refused_naming_the_shard(tmp_path, layout):
         list(Files([good]))
 
 
+def test_raw_uint16_ids_with_a_larger_tokenizer_are_refused(tmp_path):
+    """nanoGPT's layout has no header to say its ids are wider: a tokenizer of more ids than
+    uint16 holds would read two halves of each id as two ids."""
+    class Wide(Ids):
+        def __len__(self):
+            return 70_000
+
+    path = write_tokens(tmp_path / "wide.bin", [[5, 6]], "nanogpt")
+    with pytest.raises(DataError, match="wide.bin: raw uint16 ids, and the tokenizer has 70,000"):
+        list(Files([path], tokenizer=Wide()))
+    assert [r["input_ids"] for r in Files([write_tokens(tmp_path / "wide.npy", [[5, 6]], "npy",
+                                                         "<u4")], tokenizer=Wide())] == [[5, 6]]
+
+
+def test_tokenize_reads_ahead_a_bounded_number_of_ids(toy):
+    """Token records pass Tokenize as they are, and count toward its read-ahead as text does:
+    2 threads x 2 batches of 1 M characters, at 4 per id."""
+    src = data.Sequence([{"input_ids": [4] * 300_000} for _ in range(100)])
+    tokenize = data.Tokenize(src, toy, num_threads=2)
+    assert next(tokenize)["input_ids"] == [4] * 300_000
+    assert src.pos <= 5  # (one 1.2 M-character record per batch, 4 batches, then the next)
+    tokenize.close()
+
+
 def test_a_file_without_eos_is_refused_not_read_whole(tmp_path, monkeypatch):
     """Ids made by another tokenizer have no EOS where this one's is: a limit, not all memory."""
     monkeypatch.setattr(data, "MAX_DOC_TOKENS", 1000)
@@ -183,6 +223,25 @@ def test_a_token_file_changed_before_the_saved_token_is_refused_on_resume(tmp_pa
     resumed.load_state_dict(state)
     with pytest.raises(DataError, match="changed since this run read it"):
         next(resumed)
+
+
+def test_make_token_shards_refuses_two_shards_of_one_name(tmp_path, capsys, monkeypatch):
+    """C4's names keep their numbers; x.jsonl beside x.json would write x.bin twice: nothing is
+    written."""
+    for name in ("c4-train.00000-of-01024.json.gz", "c4-train.00001-of-01024.json.gz"):
+        with gzip.open(tmp_path / name, "wt") as f:
+            f.write('{"text": "a b"}\n')
+    script("make_token_shards", ["--data", tmp_path / "c4-*", "--out", tmp_path / "out"],
+           capsys, monkeypatch)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "c4-train.00000-of-01024.bin", "c4-train.00001-of-01024.bin"]
+    for name in ("x.jsonl", "x.json"):
+        (tmp_path / "two" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "two" / name).write_text('{"text": "a b"}\n')
+    with pytest.raises(SystemExit, match="would both be written as .*x.bin: nothing written"):
+        script("make_token_shards", ["--data", tmp_path / "two", "--out", tmp_path / "out2"],
+               capsys, monkeypatch)
+    assert not (tmp_path / "out2").exists()
 
 
 @pytest.mark.slow
