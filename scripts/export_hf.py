@@ -41,6 +41,9 @@ def main():
                              "your own that holds the model's (e.g. ema: README, Changing the "
                              "kit)")
     args = parser.parse_args()
+    run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
+    if args.out is None and not run:  # (said before the model is loaded)
+        sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     source = args.checkpoint or args.run_dir
     kit = utils.project_utils(source, args.script)  # a copy's own utils.py, if it has one
     model, tokenizer, config = kit.load_trained(source, script=args.script, weights=args.weights)
@@ -54,9 +57,6 @@ def main():
     else:
         checkpoint = kit.find_checkpoint(source).resolve()
     own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
-    run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
-    if args.out is None and not run:
-        sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     args.out = args.out or own
     owned = run and args.out.resolve() == own.resolve()
     if owned:  # never beside a run that is training there (and may be exporting): its lock
