@@ -321,12 +321,14 @@ class Shards:
         return f
 
     def kind(self, url):
-        """"parquet", "text", "jsonl", or "array" for a .json file holding one JSON array."""
+        """"parquet", "text", "jsonl", "tokens", or "array" for a .json file of one JSON array."""
         if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
             return kind
         if (self.format or shard_format(url)) in ("parquet", "text", "tokens", *TOKEN_FORMATS):
             kind = self.format or shard_format(url)
             self._kinds[url] = "tokens" if kind in TOKEN_FORMATS else kind
+            if self._kinds[url] == "tokens":  # its header too, as a JSON array's first byte
+                self.tokens(url)
         else:
             name = url.split("?")[0]
             for suffix in _COMPRESSED:
@@ -527,8 +529,7 @@ class Files(Stage):
             # One long line cut into 8 splits leaves 7 that own no line start; opening each,
             # every epoch, read the rest of that line to find one.
             return None
-        if self.shards.kind(slot["url"]) == "tokens":  # known before the retries, which must
-            self.shards.tokens(slot["url"])             # not nest
+        self.shards.kind(slot["url"])  # known before the retries, which must not nest
         while (item := self._retry.next(self._files, i, slot, self.shards.reader)) is not None:
             data, where = item
             slot.update(where)
@@ -887,12 +888,10 @@ class _Ids:
         seen, window = 0, 256
         while not (hits := np.flatnonzero(self.ids[seen:seen + window] == value)).size:
             seen, window = min(seen + window, len(self.ids)), window * 2
-            if seen < len(self.ids):
-                continue
-            if seen > MAX_DOC_TOKENS:
+            if seen == len(self.ids) and seen > MAX_DOC_TOKENS:
                 raise DataError(f"shard {self.url}: no EOS (id {value}) in the {seen:,} ids from "
                                 f"token {self.pos}: is --tokenizer the one that made the file?")
-            if not self._more():
+            if seen == len(self.ids) and not self._more():  # (all read: more, if any)
                 return None
         return seen + int(hits[0])
 
@@ -919,15 +918,15 @@ def _read_tokens(slot, open_shard, layout, tokenizer):
     with open_shard(url, base + (at - before) * dtype.itemsize) as f:
         first, ids = {"size": _check_size(f, slot)}, _Ids(f, dtype, at - before, url)
         seen = ids.take(before)
-        if "last" in slot and zlib.crc32(seen.tobytes()) != slot["last"][1]:
+        if "last" in slot and zlib.crc32(seen) != slot["last"][1]:
             raise _changed_row(url, f"document that ended at token {at}")
         if not ("last" in slot or at == 0 or seen.tolist() == [eos]):  # inside a document
             n = ids.until(eos)  # (it belongs to the split before)
             ids.take(count if n is None else n + 1)
         while ids.pos < end:
             start, n = ids.pos, ids.until(eos)
-            doc = ids.take(count if n is None else n)
-            read = np.concatenate([doc, ids.take(1)])  # (with its EOS, for "last")
+            read = ids.take(count if n is None else n + 1)  # a view: the document, its EOS
+            doc = read[:n]
             if doc.size and (doc.max() >= vocab or doc.min() < 0):
                 bad = start + int(np.flatnonzero((doc >= vocab) | (doc < 0))[0])
                 raise DataError(f"shard {url}, token {bad}: id {doc[bad - start]} is not one of "
@@ -935,7 +934,8 @@ def _read_tokens(slot, open_shard, layout, tokenizer):
             if doc.size:  # (two EOS in a row: no document between them)
                 line += 1
                 yield {"input_ids": doc.tolist()}, {"token": ids.pos, "line": line,
-                                                    "_line": read.tobytes(), **first}
+                                                    "_line": memoryview(read).cast("B"),
+                                                    **first}
                 first = {}
 
 
