@@ -238,9 +238,12 @@ def metrics(exp_dir):
 
 def last_step(exp_dir):
     """The last step metrics.jsonl holds a whole line for (a resumed run first cuts the
-    file back to its checkpoint, so this can go down)."""
-    path = exp_dir / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    file back to its checkpoint, so this can go down; a restart from scratch moves it aside,
+    so it can be gone between two looks)."""
+    try:
+        lines = (exp_dir / "metrics.jsonl").read_text().split("\n")[:-1]
+    except FileNotFoundError:
+        lines = []
     return json.loads(lines[-1])["step"] if lines else 0
 
 
