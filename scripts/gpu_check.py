@@ -101,14 +101,13 @@ def kill_during_save(check, tmp, args):
     log = (tmp / "straight.log").read_text()
     staged = [float(x) for x in re.findall(r"([\d.]+) s of it to stage", log)]
     wrote = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
-    size = re.search(r"to stage ([\d.]+) GiB", log)
     # The first save also allocates the pinned buffers that the later ones reuse.
     later = sorted(staged[1:])[len(staged[1:]) // 2]
     check.row("save", f"background save of {Path(args.save_model).name}: loop held up to "
               "stage (first save; later ones, median)", f"{staged[0]:.3f} s; {later:.3f} s",
               "later ≤ 0.1 s", later <= 0.1, judged=False)
-    check.row("save", "… written in the background in", f"{max(wrote):.2f} s "
-              f"({size.group(1) if size else '?'} GiB)", "", None)
+    check.row("save", "… written in the background in (the longest)", f"{max(wrote):.2f} s",
+              "", None)
 
     proc, log = train(tmp, "killed", flags, wait=False), tmp / "killed.log"
     while proc.poll() is None and "step-000006 in the background" not in log.read_text():
@@ -199,12 +198,18 @@ def loop_overhead(check, tmp, args):
               ratio >= 0.97, judged=False)
 
 
+# The loop's ratio before the speed runs: on one H100 the whole check takes about 10 minutes.
+PARTS = ["first_steps", "kill_during_save", "fsdp_resume", "loop_overhead", "speed"]
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, about a minute")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs/gpu_check.json")
     parser.add_argument("--profile-steps", default=None, metavar="FIRST,LAST",
                         help="also profile these steps of the speed runs on the kit's data")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS,
+                        help="run only these parts (default: all)")
     args = parser.parse_args()
     big = not args.smoke
     args.device_flags = [] if big else ["--device", "cpu"]
@@ -228,7 +233,7 @@ def main():
     check, start = Check(args.smoke), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for part in (first_steps, kill_during_save, fsdp_resume, speed, loop_overhead):
+        for part in (globals()[name] for name in args.parts):
             try:  # a part that fails is a failed row: the others still run, the JSON is written
                 part(check, tmp, args)
             except (Exception, SystemExit) as e:

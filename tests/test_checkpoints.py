@@ -145,3 +145,31 @@ def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_opt
     assert all(torch.equal(x[i][k], y[i][k]) for i in x for k in x[i])
     assert json.loads((a / "loader-rank0.json").read_text()) == {"offset": 3}
     assert (a / "loader-rank0.json").read_bytes() == (b / "loader-rank0.json").read_bytes()
+
+
+def test_background_saves_go_on_under_torch_2_11_whose_stager_empties_itself(
+        tmp_path, model_and_optimizer, monkeypatch):
+    """torch 2.11's DefaultStager clears its own copy tables after each stage, so a second
+    stage of the same stager fails (KeyError: <class 'type'>): each save there gets a new one."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+    real = DefaultStager._stage
+
+    def stage_then_empty(self, state_dict, **kwargs):  # what 2.11 does
+        staged = real(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_empty)
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0"))
+    model, optimizer = model_and_optimizer
+    writer = utils.BackgroundWriter(log=lambda message: None)
+    for step in (1, 2):
+        files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
+                 "loader-rank0.json": {"offset": step}}
+        writer.submit("step", lambda staged, step=step: utils.write_checkpoint(
+            tmp_path, step, staged, {"global_step": step, "config": {}, "checkpoint": None},
+            keep=2), files)
+        writer.wait()
+    saved = tmp_path / "checkpoints/step-000002"
+    assert json.loads((saved / "loader-rank0.json").read_text()) == {"offset": 2}
+    weights = torch.load(saved / "model.pt", weights_only=True)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
