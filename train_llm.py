@@ -159,13 +159,13 @@ def main():
                 break
 
     train_loader.close()
-    writer.wait()  # the last checkpoint is complete before it is exported and the run ends
+    writer.wait()  # the last checkpoint is complete before the run ends
     log.close()
-    utils.export_hf(model, tokenizer, run, ctx)  # hf/: the last checkpoint for transformers
     if ctx.distributed:
         dist.destroy_process_group()
     if not stop.is_set():
-        LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens.")
+        LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens. For "
+                    f"transformers: python scripts/export_hf.py {run.dir}")
 
 
 def parse_args(argv=None):

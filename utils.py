@@ -9,8 +9,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
     Measuring            Timer, GarbageCollection, memory, MFU, the profiler
     Distributed          joining the process group, gradient sync, all-reduces
     RNGs                 RNG states, the states of several optimizers
-    Models               unwrap, check_model, load_trained/rebuild_model, export (save_hf),
-                         generate
+    Models               unwrap, check_model, load_trained/rebuild_model, generate
     Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
                          bytes: write_checkpoint, DirectFile, BackgroundWriter,
                          run_state (where a run resumes from), discard_after
@@ -375,16 +374,12 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
             check_unchanged(args, parser, fingerprint, config,
                             moved_to_kit(json.loads(own.read_text()), run.moved)["config"],
                             f"{state['checkpoint']} was saved", world_size)
-        run.state = state  # (a failed re-export below is said to keep the checkpoints)
+        run.state = state
         if is_done(args, exp_dir, state, why):
-            if args.resume_from:  # a rollback that trains nothing changes nothing (hf/ too)
+            if args.resume_from:  # a rollback that trains nothing changes nothing
                 sys.exit(f"--resume-from {args.resume_from} with --max-steps {args.max_steps} "
                          "trains nothing: nothing was changed. Raise --max-steps to train on "
                          "from it.")
-            if rank == 0 and not export_is_current(exp_dir / "hf", state["checkpoint"]):
-                LOGGER.warning(f"{exp_dir / 'hf'} holds no whole export of {state['checkpoint']} "
-                               "(a kill or a full disk as the run ended?): `python "
-                               f"scripts/export_hf.py {exp_dir}` writes it.")
             return None
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
@@ -442,7 +437,7 @@ def moved_to_kit(saved, moved):
 def fresh_state(args, exp_dir, config):
     """The run state of a run that starts from scratch; refused where a finished run left
     its traces (hf/, metrics.jsonl) but no checkpoint (a user freed the disk)."""
-    if (exp_dir / "hf").is_dir():  # (a run that is done writes hf/ last)
+    if (exp_dir / "hf").is_dir():  # (scripts/export_hf.py writes it from a checkpoint)
         sys.exit(f"{exp_dir} holds what a finished run left (hf/, metrics.jsonl) but no "
                  "checkpoint to go on from: its state.json and checkpoints/ are gone. "
                  "Nothing was changed: start a new --experiment-name, or move those files "
@@ -1256,7 +1251,7 @@ def set_rng_state(state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: checks, a trained model loaded (load_trained), the hf/ export, sampling
+# Models: checks, a trained model loaded (load_trained), sampling
 # ----------------------------------------------------------------------------------------------
 
 def unwrap(model):
@@ -1298,9 +1293,6 @@ def check_model(model, tokenizer, args):
         sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
                  f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
                  "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
-    LOGGER.info(f"{type(model).__name__} is no transformers model: no hf/ export when the run "
-                "ends (its checkpoints hold its weights; generate.py and --init-from rebuild it "
-                "with create_model)")
 
 
 def local_path(value):
@@ -1378,6 +1370,11 @@ def averaged_weights(state):
     if "n_averaged" in state:
         return {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
     return state
+
+
+# An export's own file (scripts/export_hf.py writes it): the run's config and the checkpoint
+# it came from.
+EXPORT_MARKER = "train_llm.json"
 
 
 def load_trained(path, script=None, weights="model"):
@@ -1562,95 +1559,6 @@ def pretrained(cls, name, what, **kwargs):
                 from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
-
-
-# An export's own file: the run's config and the checkpoint it came from. It marks a directory
-# as one that save_hf wrote, the only kind that save_hf replaces.
-EXPORT_MARKER = "train_llm.json"
-
-
-def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):
-    """``model`` (or its full ``weights``) in the Hugging Face layout, with the tokenizer and
-    the run's config as train_llm.json, written as out.tmp and renamed: a whole export or none.
-
-    Only an earlier export (or an empty directory) is ever replaced: anything else at ``out``
-    is refused, so a mistyped --out cannot delete a user's files or runs. ``owned``: ``out`` is
-    a run's own hf/, which the run directory's layout reserves for it (DESIGN.md section 3).
-    """
-    out = Path(os.path.abspath(out))
-    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(f".{out.name}.replaced")
-    for path in (out, tmp):
-        if path.exists() and not owned and not is_export(path):
-            raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
-                                  f"{EXPORT_MARKER}, or holds a run): not replacing it. Pass "
-                                  "an --out that does not exist yet.")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        # The marker first: a half-written tmp that a kill leaves behind is then known as ours.
-        (tmp / EXPORT_MARKER).write_text(
-            json.dumps({**config, "exported_from": checkpoint}, indent=2))
-        model.save_pretrained(tmp, state_dict=weights)
-        tokenizer.save_pretrained(tmp)
-        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        (tmp / EXPORT_MARKER).write_text(json.dumps(
-            {**config, "exported_from": checkpoint, "files": written}, indent=2))
-        for name in added_by_user(out, written):  # a model card, eval results: kept (copies)
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(out / name, tmp / name)
-    except Exception as e:  # safetensors reports a full disk as its own SafetensorError
-        shutil.rmtree(tmp, ignore_errors=True)
-        if (failure := write_failure(out, e)) is None:
-            raise
-        raise failure from e
-    # The old export is renamed aside, not deleted in place: a kill while deleting it would
-    # leave a directory without its marker, which no later export could replace. (The hidden
-    # name is save_hf's own: one left by a kill is deleted the next time.)
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def added_by_user(out, written):
-    """The files of an earlier export at ``out`` that no export wrote (its marker lists what
-    it wrote; an older one, which did not, wrote only top-level .json, .safetensors, .jinja,
-    .txt and .model files) and that the new export (``written``) does not write again."""
-    if not out.is_dir():
-        return []
-    try:
-        ours = set(json.loads((out / EXPORT_MARKER).read_text()).get("files") or [])
-    except (OSError, ValueError, AttributeError):
-        ours = set()
-    if not ours:
-        ours = {p.name for p in out.iterdir() if p.is_file() and p.suffix in
-                (".json", ".safetensors", ".jinja", ".txt", ".model")}
-    return [name for name in (str(p.relative_to(out)) for p in sorted(out.rglob("*"))
-                              if p.is_file()) if name not in ours and name not in written]
-
-
-def is_export(path):
-    """Whether save_hf may replace ``path``: an empty directory, or one with its marker that
-    is not (and does not hold) a run directory."""
-    if not path.is_dir():
-        return False
-    names = {p.name for p in path.iterdir()}
-    return not names or (EXPORT_MARKER in names and not {"state.json", "checkpoints"} & names)
-
-
-def export_is_current(out, checkpoint):
-    """Whether ``out`` is a whole export of ``checkpoint``: no half-written out.tmp beside it,
-    and every file its marker lists still there (a user may have deleted the weights)."""
-    marker = Path(out) / EXPORT_MARKER
-    if not marker.exists() or Path(f"{out}.tmp").exists():
-        return False
-    try:
-        record = json.loads(marker.read_text())
-    except ValueError:
-        return False
-    return record.get("exported_from") == checkpoint and all(
-        (Path(out) / name).is_file() for name in record.get("files") or [])
 
 
 def prompt_format(config):
@@ -2059,26 +1967,6 @@ def damaged_checkpoint(ckpt_dir, path, error):
     command = shlex.join([*launcher, sys.argv[0], *argv, "--resume-from", older.name])
     return text + (" Resume from it (this discards what was logged after it) with:\n  "
                    f"cd {shlex.quote(os.getcwd())} && {command}")
-
-
-def export_hf(model, tokenizer, run, ctx):
-    """The run's model in the Hugging Face layout, with its tokenizer, as the run's hf/ (every
-    rank gathers FSDP's shards, rank 0 writes). A model of your own (create_model) has no such
-    layout: its checkpoints are its export."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule
-    if not is_transformers(unwrap(model)):
-        return
-    weights = None
-    if isinstance(model, FSDPModule):  # the full weights, gathered from every rank's shards
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                       cpu_offload=True))
-    if ctx.rank == 0:
-        save_hf(run.dir / "hf", unwrap(model), tokenizer, run.state["config"], weights,
-                checkpoint=run.state["checkpoint"], owned=True)
-        LOGGER.info(f"Exported the model for transformers: {run.dir / 'hf'}")
-    if ctx.distributed:
-        torch.distributed.barrier()
 
 
 def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):

@@ -8,14 +8,17 @@ by the script the run recorded, with the copy's own utils.py and data.py.
     python scripts/export_hf.py outputs/demo --checkpoint outputs/demo/checkpoints/step-000400 \
         --out demo-400
 
-A run writes {run}/hf/ by itself when it ends; without --out this writes it again (after a kill
-or a full disk during that export), and it does the same for any checkpoint, from DDP
-(model.pt) or FSDP (dcp/) runs. --out must not exist yet, or be an earlier export (its
-train_llm.json tells): nothing else is ever replaced.
+Without --out it writes the run's own hf/ (not while the run trains), from any checkpoint of
+DDP (model.pt) or FSDP (dcp/) runs. An export is written as OUT.tmp and renamed: a whole one or
+none. --out must not exist yet, or be an earlier export (its train_llm.json tells): nothing
+else is ever replaced, and files a user added to an earlier export are kept.
 """
 
 import argparse
 import fcntl
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,6 +26,76 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
+
+
+def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
+    """``model`` in the Hugging Face layout, with the tokenizer and the run's config as
+    train_llm.json, written as out.tmp and renamed: a whole export or none.
+
+    Only an earlier export (or an empty directory) is ever replaced: anything else at ``out``
+    is refused, so a mistyped --out cannot delete a user's files or runs. ``owned``: ``out`` is
+    a run's own hf/, which the run directory's layout reserves for it (DESIGN.md section 3).
+    """
+    marker = utils.EXPORT_MARKER  # it marks a directory as one that save_hf wrote
+    out = Path(os.path.abspath(out))
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(f".{out.name}.replaced")
+    for path in (out, tmp):
+        if path.exists() and not owned and not is_export(path):
+            raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
+                                  f"{marker}, or holds a run): not replacing it. Pass an --out "
+                                  "that does not exist yet.")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        # The marker first: a half-written tmp that a kill leaves behind is then known as ours.
+        (tmp / marker).write_text(json.dumps({**config, "exported_from": checkpoint}, indent=2))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / marker).write_text(json.dumps(
+            {**config, "exported_from": checkpoint, "files": written}, indent=2))
+        for name in added_by_user(out, written):  # a model card, eval results: kept (copies)
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(out / name, tmp / name)
+    except Exception as e:  # safetensors reports a full disk as its own SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (failure := utils.write_failure(out, e)) is None:
+            raise
+        raise failure from e
+    # The old export is renamed aside, not deleted in place: a kill while deleting it would
+    # leave a directory without its marker, which no later export could replace. (The hidden
+    # name is save_hf's own: one left by a kill is deleted the next time.)
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def added_by_user(out, written):
+    """The files of an earlier export at ``out`` that no export wrote (its marker lists what
+    it wrote; an older one, which did not, wrote only top-level .json, .safetensors, .jinja,
+    .txt and .model files) and that the new export (``written``) does not write again."""
+    if not out.is_dir():
+        return []
+    try:
+        ours = set(json.loads((out / utils.EXPORT_MARKER).read_text()).get("files") or [])
+    except (OSError, ValueError, AttributeError):
+        ours = set()
+    if not ours:
+        ours = {p.name for p in out.iterdir() if p.is_file() and p.suffix in
+                (".json", ".safetensors", ".jinja", ".txt", ".model")}
+    return [name for name in (str(p.relative_to(out)) for p in sorted(out.rglob("*"))
+                              if p.is_file()) if name not in ours and name not in written]
+
+
+def is_export(path):
+    """Whether save_hf may replace ``path``: an empty directory, or one with its marker that
+    is not (and does not hold) a run directory."""
+    if not path.is_dir():
+        return False
+    names = {p.name for p in path.iterdir()}
+    return not names or (utils.EXPORT_MARKER in names and not {"state.json", "checkpoints"} & names)
 
 
 def main():
@@ -67,8 +140,7 @@ def main():
             sys.exit(f"{args.run_dir} is training: export it once it has finished, or pass --out")
     if owned and args.checkpoint is None:  # as the run writes it: the path inside the run
         checkpoint = checkpoint.relative_to(args.run_dir.resolve())
-    kit.save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint),
-                owned=owned)
+    save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint), owned=owned)
     print(f"Wrote {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 

@@ -6,6 +6,7 @@ import pytest
 from helpers import (
     ROOT,
     corpus_args,
+    export,
     run_ranks,
     toy_tokenizer,
     train,
@@ -60,6 +61,7 @@ def four_steps(tmp_path_factory, tiny_model):
     result = train(train_args(save_dir, tiny_model, name="k", max_steps=4, ckpt_freq=2,
                               val_freq=2, keep_checkpoints=0, sample_tokens=0))
     assert result.returncode == 0, result.stderr
+    export(save_dir / "k")
     return save_dir / "k"
 
 

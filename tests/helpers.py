@@ -71,18 +71,25 @@ def train_args(save_dir, model, name="run", **overrides):
     return [f"--{key}={value}" for key, value in args.items()]
 
 
-def train(args, timeout=120):
-    """``python train_llm.py ARGS`` from the kit's directory, to the end: its exit code and
-    output, as subprocess.run gives them."""
+def train(args, timeout=120, script="train_llm.py"):
+    """``python train_llm.py ARGS`` (or another ``script`` of the kit) from the kit's
+    directory, to the end: its exit code and output, as subprocess.run gives them."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
-        run = zygote().start(["train_llm.py", *map(str, args)], out, err)
+        run = zygote().start([script, *map(str, args)], out, err)
         try:
             run.wait(timeout)
         finally:
             run.kill()
         return subprocess.CompletedProcess(run.args, run.returncode, out.read_text(),
                                            err.read_text())
+
+
+def export(run_dir):
+    """``python scripts/export_hf.py RUN_DIR``: the run's hf/, as a user writes it."""
+    result = train([run_dir], script="scripts/export_hf.py")
+    assert result.returncode == 0, result.stderr
+    return run_dir / "hf"
 
 
 def start(args, log_path):

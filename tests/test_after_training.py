@@ -1,7 +1,6 @@
-"""After training: the hf/ export (the last checkpoint's weights; scripts/export_hf.py writes it
-again when a kill or a full disk cut it short; never over what the kit did not write),
-scripts/export_hf.py, scripts/generate.py, and --init-from (its weights exactly, its tokenizer
-kept)."""
+"""After training: scripts/export_hf.py (the run's hf/ holds the last checkpoint's weights; a
+kill or a full disk leaves no half export; never over what the kit did not write),
+scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."""
 
 import fcntl
 import json
@@ -18,6 +17,7 @@ from helpers import (
     ROOT,
     assert_same_run,
     copy_run,
+    export,
     kill_at,
     metrics,
     refused,
@@ -35,10 +35,13 @@ import utils
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model):
-    """A 10-step run with checkpoints at steps 5 and 10."""
+    """A 10-step run with checkpoints at steps 5 and 10, and its hf/."""
     save_dir = tmp_path_factory.mktemp("after")
     result = train(train_args(save_dir, tiny_model, max_steps=10, ckpt_freq=5, val_freq=5))
     assert result.returncode == 0, result.stderr
+    assert f"For transformers: python scripts/export_hf.py {save_dir / 'run'}" in result.stderr
+    assert not (save_dir / "run/hf").exists()  # training writes checkpoints; the script hf/
+    export(save_dir / "run")
     return save_dir / "run"
 
 
@@ -237,41 +240,24 @@ def test_export_hf_without_out_writes_only_a_run_s_own_hf_and_never_beside_its_t
 
 
 @pytest.mark.slow
-def test_a_finished_run_whose_export_was_cut_short_says_so_and_export_hf_mends_it(
-        four_steps, tmp_path, tiny_model, capsys, monkeypatch):
-    """What a kill during the end-of-run export of a resumed run leaves: the previous end's
-    hf/ (of step 2) and a half-written hf.tmp. The rerun that says "is done" names the command
-    (it exports nothing itself), and export_hf.py RUN writes hf/ of the last checkpoint."""
+def test_an_export_cut_short_by_a_kill_is_mended_by_the_same_command(four_steps, tmp_path,
+                                                                      capsys, monkeypatch):
+    """What a kill during export_hf.py leaves: the previous export's hf/ (of step 2) without
+    its marker, as a kill while it was being replaced could leave it, and a half-written
+    hf.tmp. The same command writes hf/ of the last checkpoint over both."""
     exp = copy_run(four_steps, tmp_path)
-    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
     shutil.rmtree(exp / "hf")
-    model, tokenizer, config = utils.load_trained(exp / "checkpoints/step-000002")
-    utils.save_hf(exp / "hf", model, tokenizer, config, checkpoint="checkpoints/step-000002")
-    (exp / "hf" / utils.EXPORT_MARKER).unlink()  # as a kill while deleting it could leave it
+    script("export_hf", [exp, "--checkpoint", exp / "checkpoints/step-000002", "--out",
+                         exp / "hf"], capsys, monkeypatch)
+    (exp / "hf" / utils.EXPORT_MARKER).unlink()
     (exp / "hf.tmp").mkdir()  # debris of an export that wrote its marker last
     (exp / "hf.tmp" / "config.json").write_text("{}")
-    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000002")
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
-    assert result.returncode == 0, result.stderr
-    assert "is done" in result.stderr and f"scripts/export_hf.py {exp}" in result.stderr
-    assert (exp / "hf.tmp").exists()  # the rerun changed nothing
     script("export_hf", [exp], capsys, monkeypatch)
     assert not (exp / "hf.tmp").exists()
     assert same_weights(weights(exp / "hf"),
                         utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
-    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
-    assert "is done" in result.stderr and "export_hf.py" not in result.stderr
-
-
-@pytest.mark.slow
-def test_an_export_missing_a_file_it_wrote_is_not_current(four_steps, tmp_path):
-    """A user deleted hf/model.safetensors: the rerun of the finished run exports again
-    (export_is_current says no), where the marker alone would say the export is whole."""
-    exp = copy_run(four_steps, tmp_path)
-    assert utils.export_is_current(exp / "hf", "checkpoints/step-000004")
-    (exp / "hf" / "model.safetensors").unlink()
-    assert not utils.export_is_current(exp / "hf", "checkpoints/step-000004")
+    assert json.loads((exp / "hf" / utils.EXPORT_MARKER).read_text())["exported_from"] == \
+        "checkpoints/step-000004"
 
 
 @pytest.mark.slow

@@ -202,11 +202,11 @@ def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "def (the project's own utils.py)"
     utils_py.write_text(utils_py.read_text().replace(
-        "def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):",
-        "def save_hf(out, model, tokenizer, config, weights=None, checkpoint=None, owned=False):"
-        "\n    raise OSError('the project save_hf')", 1))
+        'def load_trained(path, script=None, weights="model"):',
+        'def load_trained(path, script=None, weights="model"):'
+        "\n    raise OSError('the project load_trained')", 1))
     refused(kit_script("export_hf", [tmp_path / "run", "--out", tmp_path / "out"]),
-            "the project save_hf")
+            "the project load_trained")
 
 
 def test_a_copys_utils_that_cannot_serve_the_scripts_leaves_the_kits_in_place(tmp_path):

@@ -28,6 +28,7 @@ from helpers import (
     corpus_args,
     digest,
     examples,
+    export,
     final_model,
     kill_at,
     loader_states,
@@ -388,8 +389,8 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
         dcp_to_torch_save(ckpt / "dcp", tmp_path / f"{exp_dir.name}.pt")
         weights.append(torch.load(tmp_path / f"{exp_dir.name}.pt", weights_only=True)["model"])
     assert_same_weights(*weights)
-    # The hf/ export gathers the shards: the final weights, in plain transformers.
-    hf = AutoModelForCausalLM.from_pretrained(straight / "hf").state_dict()
+    # export_hf.py gathers the shards: the final weights, in plain transformers.
+    hf = AutoModelForCausalLM.from_pretrained(export(straight)).state_dict()
     assert_same_weights({k: v for k, v in hf.items() if k in weights[0]}, weights[0])
     # FSDP computes what DDP does: the first step's loss and gradient norm (before any update,
     # so whatever the optimizer) agree up to float rounding.

@@ -200,15 +200,15 @@ def test_a_users_copy_of_a_checkpoint_under_another_name_is_never_deleted(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_finished_run_without_its_checkpoints_is_not_started_again(ten_steps, tmp_path,
+def test_a_finished_run_without_its_checkpoints_is_not_started_again(four_steps, tmp_path,
                                                                      tiny_model):
     """The user freed the disk of a finished run (checkpoints/, state.json) and kept its
     metrics.jsonl and hf/: the same command must not start over on top of them."""
-    exp = copy_run(ten_steps, tmp_path)
+    exp = copy_run(four_steps, tmp_path)
     shutil.rmtree(exp / "checkpoints")
     (exp / "state.json").unlink()
     before = snapshot(exp)
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=10))
+    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=4))
     refused(result, "holds what a finished run left", "Nothing was changed")
     assert snapshot(exp) == before
 
