@@ -177,13 +177,6 @@ def check_args(parser, args, local_paths, shipped, create_model):
                  "or copy assets/ and data/ next to the script. Nothing was written.")
     for name in local_paths:
         setattr(args, name, local_path(getattr(args, name)))
-    # The shuffle buffer holds --shuffle-buffer sequences of int64 tokens (per domain and rank).
-    buffer, memory = args.shuffle_buffer * args.seq_length * 8, _physical_memory()
-    if memory and buffer > memory / 2:
-        parser.error(f"--shuffle-buffer {args.shuffle_buffer} holds {args.shuffle_buffer} x "
-                     f"--seq-length {args.seq_length} tokens, {buffer / GiB:.1f} GiB (per domain "
-                     f"and rank), more than half of this machine's {memory / GiB:.1f} GiB: pass "
-                     "a smaller one")
     save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
     exp_dir = Path(os.path.normpath(save_dir / args.experiment_name))
     if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
@@ -212,14 +205,6 @@ def check_args(parser, args, local_paths, shipped, create_model):
                          f"a --batch-size that divides {args.global_batch_size} / {world_size} "
                          "on every world size the run may see.")
         args.grad_accum = accum
-
-
-def _physical_memory():
-    """This machine's memory in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +285,6 @@ class Run:
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
         self.state, self.training, self.first_step = None, False, 0
         self.stepped = False  # this start has trained a step (signals then wait for its end)
-        self.moved = None  # (old, new) directory of the kit, if it moved since the last start
 
     def begin_training(self, args, ctx, loader, extra=()):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
@@ -362,8 +346,6 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
-        run.moved = kit_moved(state, script)  # its files are read at the kit's new place
-        state = moved_to_kit(state, run.moved)
         refuse_reshard(exp_dir, state, world_size)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
@@ -372,7 +354,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
             check_unchanged(args, parser, fingerprint, config,
-                            moved_to_kit(json.loads(own.read_text()), run.moved)["config"],
+                            json.loads(own.read_text())["config"],
                             f"{state['checkpoint']} was saved", world_size)
         run.state = state
         if is_done(args, exp_dir, state, why):
@@ -405,33 +387,6 @@ def refuse_reshard(exp_dir, state, world_size):
                  f"pipeline's {', '.join(blockers)} keeps state that cannot be split across "
                  f"ranks. Resume on {saved} rank(s), or give the stage a reshard_state; DESIGN.md "
                  "section 4. Nothing was changed.")
-
-
-def kit_moved(state, script):
-    """(old, new) directory of the script, where the run was trained by the same script at a
-    place that is gone (the kit was moved or renamed), else None."""
-    old, new = Path(state.get("script") or script).parent, Path(script).resolve().parent
-    return (str(old), str(new)) if old != new and not old.exists() else None
-
-
-def moved_to_kit(saved, moved):
-    """A saved state (run state, loader state) with the paths into the old place of the kit
-    moved to its new one: the shipped data, tokenizer and model resolve there now."""
-    if not moved:
-        return saved
-    old, new = moved
-
-    def move(value):  # a pattern begins with its place escaped (kit[1]/ is kit[[]1]/ there)
-        if isinstance(value, dict):
-            return {key: move(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [move(item) for item in value]
-        for prefix in (old + os.sep, glob.escape(old) + os.sep):
-            if isinstance(value, str) and value.startswith(prefix):
-                rest = value[len(prefix):]
-                return (glob.escape(new) if glob.has_magic(rest) else new) + os.sep + rest
-        return value
-    return move(saved)
 
 
 def fresh_state(args, exp_dir, config):
@@ -564,26 +519,13 @@ def file_digests(args):
 def log_to_file(path, rank):
     """Everything logged also goes to ``path`` (appended across resumes), and so does the
     traceback of a failure that the console shows as one paragraph (cli)."""
-    handler = QuietFileHandler(path, encoding="utf-8")
+    # A log file that cannot be written any more (a full disk) is skipped: without a
+    # "--- Logging error ---" traceback per record; the console still has every line.
+    logging.raiseExceptions = False
+    handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
     logging.getLogger().addHandler(handler)
     FILE_LOG.addHandler(handler)
-
-
-class QuietFileHandler(logging.FileHandler):
-    """A log file that, once it cannot be written (a full disk), says so in one line and is
-    skipped from then on, instead of printing a traceback for every record it drops: the
-    console still has every line, and the failure that follows gets its own paragraph."""
-
-    def handleError(self, record):
-        if self.stream is not None:
-            sys.stderr.write(f"(cannot write {self.baseFilename} any more; logging to the "
-                             f"console only: {sys.exc_info()[1]})\n")
-        self.setLevel(logging.CRITICAL + 1)
-        stream, self.stream = self.stream, None  # what emit() finds: no stream (and level)
-        if stream is not None:
-            with contextlib.suppress(OSError):  # closing flushes, which fails again
-                stream.close()
 
 
 def start_wandb(flags, run_id, exp_dir):
@@ -1397,18 +1339,7 @@ def load_trained(path, script=None, weights="model"):
         what = "run, checkpoint or Hugging Face model"
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
-    for _ in range(5):  # a run still training there may delete the checkpoint meanwhile
-        ckpt_dir = find_checkpoint(path)
-        try:
-            model, config = checkpoint_model(ckpt_dir, script, weights)
-            break
-        except OSError:
-            if not deleted_meanwhile(ckpt_dir, path):
-                raise
-    else:
-        raise OSError(f"{path}: its newest checkpoint was deleted while it was read, 5 times "
-                      "running: the run training there saves faster than one loads. Give it "
-                      "--keep-checkpoints 2 or more, or try again once it has finished.")
+    model, config = checkpoint_model(find_checkpoint(path), script, weights)
     tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
     return model, tokenizer, config
 
@@ -1443,19 +1374,6 @@ def checkpoint_model(ckpt_dir, script=None, weights="model"):
                       f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
                       "damaged: put back the create_model that trained it.") from e
     return model, config
-
-
-def deleted_meanwhile(ckpt_dir, path):
-    """Whether ``ckpt_dir``, which failed to load, was deleted as it was read by the run still
-    training there (keep-k renames it *.deleted, then removes it): it is not damaged, and the
-    run directory ``path`` names a newer one now. A checkpoint named by itself is just gone."""
-    if ckpt_dir.is_dir():
-        return False
-    if ckpt_dir == path:
-        raise OSError(f"{path} was deleted while it was read: the run training there keeps "
-                      "only its newest checkpoints (--keep-checkpoints). Pass the run directory, "
-                      f"{path.parent.parent}, to load its newest.")
-    return find_checkpoint(path) != ckpt_dir
 
 
 def rebuild_model(script, config, ckpt_dir):
@@ -1880,8 +1798,7 @@ class CheckpointReader:
         that saved, merged by data.reshard (no document skipped or repeated)."""
         saved_world, ctx = self.run.state.get("world_size", 1), self.ctx
         ranks = [ctx.rank] if saved_world == ctx.world_size else range(saved_world)
-        states = [moved_to_kit(json.loads(self.path(LOADER_FILE.format(r)).read_text()),
-                               self.run.moved) for r in ranks]
+        states = [json.loads(self.path(LOADER_FILE.format(r)).read_text()) for r in ranks]
         self.loaded = True
         if saved_world == ctx.world_size:  # (a changed --batch-size is fine: Batch has no state)
             return loader.load_state_dict(states[0])

@@ -55,7 +55,6 @@ def test_counts_and_mix_weights_are_checked_by_the_parser(argv, words, capsys):
     (["--seed", "99999999999999"], "--seed: must be at least 0 and at most 4294967295"),
     (["--dist-timeout", "nan"], "--dist-timeout: must be a finite number > 0"),
     (["--dist-timeout=-1"], "--dist-timeout: must be a finite number > 0"),
-    (["--shuffle-buffer", "100000000"], "more than half of this machine's"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
