@@ -1392,32 +1392,6 @@ def rebuild_model(script, config, ckpt_dir):
     return module.create_model(types.SimpleNamespace(**args))
 
 
-def project_utils(path, script=None):
-    """The utils module of the project whose script trained the run (or checkpoint) at
-    ``path``: a copy of the kit keeps its own utils.py and data.py beside its script, and may
-    have changed them; the kit's scripts/ then work with those, not with the kit's. This
-    module where the run names no script, or one with no utils.py beside it (or the kit's)."""
-    if script is None:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            script = json.loads((find_checkpoint(path) / "state.json").read_text())["script"]
-    folder = Path(script).resolve().parent if script else KIT
-    if folder == KIT or not all((folder / f"{name}.py").is_file() for name in ("data", "utils")):
-        return sys.modules[__name__]
-    kit = {name: sys.modules.get(name) for name in ("data", "utils")}
-    try:
-        for name in kit:  # (data first: utils imports it)
-            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(sys.modules[name])
-        if not hasattr(sys.modules["utils"], "project_utils"):  # older than the scripts
-            raise ImportError(f"{folder / 'utils.py'} is of an older kit")
-    except Exception as e:  # the kit's own, as before: said, not a traceback
-        LOGGER.warning(f"Using the kit's utils.py and data.py, not {folder}'s: {e}")
-        sys.modules.update(kit)
-        return sys.modules[__name__]
-    return sys.modules["utils"]
-
-
 def load_script(script):
     """A training script as a module of its own (its main() does not run), found by path: a
     copy of the kit's script under another name works, and so do modules next to it."""

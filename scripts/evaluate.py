@@ -32,6 +32,9 @@ KIT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(KIT))
 import utils  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
+import project  # noqa: E402  (the run's own utils.py)
+
 SHIPPED = KIT / "assets/eval"  # kit_NAME.yaml: a task lm_eval reads from the kit's root
 
 
@@ -141,7 +144,7 @@ def main():
     if all((SHIPPED / f"{name}.yaml").is_file() for name in names):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files: never the network
 
-    kit = utils.project_utils(args.model, args.script)
+    kit = project.project_utils(args.model, args.script)
     model, tokenizer, config = kit.load_trained(args.model, script=args.script)
     layout = kit.prompt_format(config)  # pretrained: None, plain text
     if not isinstance(model, transformers.PreTrainedModel):

@@ -27,6 +27,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
+import project  # noqa: E402  (the run's own utils.py)
+
 
 def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
     """``model`` in the Hugging Face layout, with the tokenizer and the run's config as
@@ -118,7 +121,7 @@ def main():
     if args.out is None and not run:  # (said before the model is loaded)
         sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     source = args.checkpoint or args.run_dir
-    kit = utils.project_utils(source, args.script)  # a copy's own utils.py, if it has one
+    kit = project.project_utils(source, args.script)  # a copy's own utils.py, if it has one
     model, tokenizer, config = kit.load_trained(source, script=args.script, weights=args.weights)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "

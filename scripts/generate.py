@@ -21,6 +21,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
+import project  # noqa: E402  (the run's own utils.py)
+
 
 def main():
     transformers.utils.logging.disable_progress_bar()  # no bars for loading tiny files
@@ -48,7 +51,7 @@ def main():
                              "kit)")
     args = parser.parse_args()
 
-    kit = utils.project_utils(args.model, args.script)  # a copy's own utils.py, if it has one
+    kit = project.project_utils(args.model, args.script)  # a copy's own utils.py, if it has one
     model, tokenizer, config = kit.load_trained(args.model, script=args.script,
                                                 weights=args.weights)
     model.to(args.device).eval()

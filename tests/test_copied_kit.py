@@ -207,6 +207,8 @@ def test_a_copys_utils_that_cannot_serve_the_scripts_leaves_the_kits_in_place(tm
     the kit's scripts go on with the kit's modules, which stay the imported ones."""
     import data
     import utils
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import project
     (tmp_path / "train.py").write_text("")
     for files in ({"utils.py": "x = 1"}, {"utils.py": "x = 1", "data.py": ""},
                   {"utils.py": "import nothing_of_that_name", "data.py": ""}):
@@ -214,5 +216,5 @@ def test_a_copys_utils_that_cannot_serve_the_scripts_leaves_the_kits_in_place(tm
             (tmp_path / name).unlink(missing_ok=True)
         for name, text in files.items():
             (tmp_path / name).write_text(text)
-        assert utils.project_utils(tmp_path, script=tmp_path / "train.py") is utils
+        assert project.project_utils(tmp_path, script=tmp_path / "train.py") is utils
         assert sys.modules["utils"] is utils and sys.modules["data"] is data

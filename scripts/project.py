@@ -1,0 +1,40 @@
+"""The utils.py and data.py that the kit's scripts (generate.py, export_hf.py, evaluate.py)
+use for a run: those beside the script that trained it. A copy of the kit keeps its own beside
+its script, and may have changed them; the scripts then work with those, not with the kit's."""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import utils  # noqa: E402  (the kit's own)
+
+LOGGER = logging.getLogger(__name__)
+
+
+def project_utils(path, script=None):
+    """The utils module of the project whose script trained the run (or checkpoint) at
+    ``path``, or ``script``'s; the kit's where the run names no script, or one with no
+    utils.py and data.py beside it, or ones that cannot serve the scripts."""
+    if script is None:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            script = json.loads((utils.find_checkpoint(path) / "state.json").read_text())["script"]
+    folder = Path(script).resolve().parent if script else utils.KIT
+    if folder == utils.KIT or not all((folder / f"{n}.py").is_file() for n in ("data", "utils")):
+        return utils
+    kit = {name: sys.modules.get(name) for name in ("data", "utils")}
+    try:
+        for name in kit:  # (data first: utils imports it)
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+        if not hasattr(sys.modules["utils"], "load_trained"):  # older than the scripts
+            raise ImportError(f"{folder / 'utils.py'} is of an older kit")
+    except Exception as e:  # the kit's own, as before: said, not a traceback
+        LOGGER.warning(f"Using the kit's utils.py and data.py, not {folder}'s: {e}")
+        sys.modules.update(kit)
+        return utils
+    return sys.modules["utils"]
