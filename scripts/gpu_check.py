@@ -198,7 +198,7 @@ def loop_overhead(check, tmp, args):
               ratio >= 0.97, judged=False)
 
 
-# The loop's ratio before the speed runs: on one H100 the whole check takes about 10 minutes.
+# The parts in the order they run: the loop's ratio before the speed runs, the longest part.
 PARTS = ["first_steps", "kill_during_save", "fsdp_resume", "loop_overhead", "speed"]
 
 
