@@ -176,7 +176,7 @@ def check_args(parser, args, local_paths, shipped, create_model):
                  "lacks: pass each of these flags (a local path, or a Hugging Face Hub name), "
                  "or copy assets/ and data/ next to the script. Nothing was written.")
     for name in local_paths:
-        setattr(args, name, local_path(getattr(args, name)))
+        setattr(args, name, _local(getattr(args, name)) or getattr(args, name))
     save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
     exp_dir = Path(os.path.normpath(save_dir / args.experiment_name))
     if save_dir not in exp_dir.parents:  # "", ".", "..", "/abs": a run would write elsewhere
@@ -423,7 +423,7 @@ def refuse_foreign_checkpoints(exp_dir, state):
             else state.get("run_id")
     except (OSError, ValueError, TypeError, AttributeError):
         own = state.get("run_id")
-    foreign = {d.name: saved_by(d) for d in complete_checkpoints(exp_dir).values()
+    foreign = {d.name: saved_by(d) for d in _step_dirs(exp_dir, complete=True).values()
                if saved_by(d)[0] != own}
     if foreign:
         origins = "; ".join(f"{name} was saved by the run in {where or 'another directory'}"
@@ -471,7 +471,7 @@ def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
             continue
-        if isinstance(value, str) and local_path(value) == config.get(name) != value:
+        if isinstance(value, str) and (_local(value) or value) == config.get(name) != value:
             setattr(args, name, value)
             config[name] = value
         if config.get(name) == value:
@@ -699,7 +699,7 @@ def stop_if_diverged(stats, step, run, loader, writer):
         return
     loader.close()
     writer.wait()  # the last good checkpoint may still be being written
-    last = max(complete_checkpoints(run.dir).items(), default=(0, None))[1]
+    last = max(_step_dirs(run.dir, complete=True).items(), default=(0, None))[1]
     last = f"the last good one is checkpoints/{last.name}" if last else "none was saved yet"
     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
              f"checkpoint (the weights are about to be garbage); {last}. Lower --lr or raise "
@@ -752,7 +752,7 @@ def expected_failure(error):
     before = RUN is None or not RUN.training
     if before and (RUN is None or RUN.created):
         stopped = "Stopped before training began; nothing was kept"
-    elif RUN.dir.is_dir() and complete_checkpoints(RUN.dir):
+    elif RUN.dir.is_dir() and _step_dirs(RUN.dir, complete=True):
         stopped = "Stopped; the last checkpoint is untouched"
     else:
         stopped = "Stopped before training began" if before else \
@@ -912,7 +912,8 @@ def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
     peak), memory, bad records skipped (``stats``, summed over ranks)."""
     seconds = {name: timer.pop() for name, timer in timers.items()}
     tokens_per_s = tokens / sum(seconds.values())  # all ranks together
-    peak = peak_flops(ctx.device)
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
     mfu = flops_per_token * tokens_per_s / ctx.world_size / peak if peak else None
     return {"tokens_per_s": tokens_per_s, "data_wait": seconds["data"] / sum(seconds.values()),
             "mfu": mfu, **memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
@@ -968,14 +969,6 @@ def format_metrics(m):
     if "sample" in m:
         line += f" | sample {m['sample']!r}"
     return line
-
-
-def peak_flops(device):
-    """The GPU's peak FLOP/s, or None where MFU means nothing (CPU, unknown GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 def flops_per_token(model, seq_length):
@@ -1126,18 +1119,13 @@ def join_process_group(backend, rank, world_size, dist_timeout, device):
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         torch.distributed.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:
-        _join_under_prefix(backend, rank, world_size, timeout, device_id)
+        store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                           is_master=False, timeout=timeout)
+        prefix = f"train_llm/restart-{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/world-{world_size}"
+        torch.distributed.init_process_group(
+            backend, store=torch.distributed.PrefixStore(prefix, store), rank=rank,
+            world_size=world_size, timeout=timeout, device_id=device_id)
     set_collective_timeout(datetime.timedelta(minutes=30))
-
-
-def _join_under_prefix(backend, rank, world_size, timeout, device_id):
-    env = os.environ
-    store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                                       is_master=False, timeout=timeout)
-    prefix = f"train_llm/restart-{env.get('TORCHELASTIC_RESTART_COUNT', 0)}/world-{world_size}"
-    torch.distributed.init_process_group(
-        backend, store=torch.distributed.PrefixStore(prefix, store), rank=rank,
-        world_size=world_size, timeout=timeout, device_id=device_id)
 
 
 def set_collective_timeout(timeout):
@@ -1202,12 +1190,6 @@ def unwrap(model):
         else model
 
 
-def is_transformers(model):
-    """Whether ``model`` is a transformers model (with its layout for save_pretrained)."""
-    from transformers import PreTrainedModel  # (imported by then: the script uses it)
-    return isinstance(model, PreTrainedModel)
-
-
 def check_model(model, tokenizer, args):
     """What the tokenizer, --seq-length and the flags need of the model, checked before any
     training; a model of your own (create_model) is told what needs transformers."""
@@ -1229,18 +1211,13 @@ def check_model(model, tokenizer, args):
     if positions and args.seq_length > positions:
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
-    if is_transformers(model):
+    from transformers import PreTrainedModel  # (imported by then: the script uses it)
+    if isinstance(model, PreTrainedModel):
         return
     if args.activation_checkpointing:
         sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
                  f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
                  "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
-
-
-def local_path(value):
-    """``value`` as an absolute path if it names local files (a path, a glob or {a,b} pattern
-    that matches something), else unchanged (a Hub name, a URL, None)."""
-    return _local(value) or value
 
 
 def _local(value):
@@ -1365,8 +1342,7 @@ def checkpoint_model(ckpt_dir, script=None, weights="model"):
         name = f"{weights}.pt" if (ckpt_dir / f"{weights}.pt").exists() else "dcp"
         if isinstance(e, FileNotFoundError) and weights != "model":  # not damage: not there
             raise OSError(f"{ckpt_dir} holds no weights named {weights!r} ({e.strerror})") from e
-        advice = " Pass it instead." if older_checkpoint(ckpt_dir) else ""
-        raise OSError(damaged(ckpt_dir, ckpt_dir / name, e) + advice) from e
+        raise OSError(damaged(ckpt_dir, ckpt_dir / name, e)) from e
     try:
         model.load_state_dict(state)
     except RuntimeError as e:  # the weights loaded: the model built is another one
@@ -1384,7 +1360,12 @@ def rebuild_model(script, config, ckpt_dir):
         raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
                       "builds the model these weights belong to. Put the script back there, or "
                       "pass a copy of it to generate.py or export_hf.py with --script.")
-    module = load_script(script)
+    path = Path(script).resolve()  # loaded as a module of its own: its main() does not run
+    if str(path.parent) not in sys.path:  # its neighbours (a module with the model, say)
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_training_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     if not callable(getattr(module, "create_model", None)):
         raise OSError(f"{script} has no create_model: pass the training script (a copy of "
                       "train_llm.py) whose create_model builds the run's model.")
@@ -1392,36 +1373,28 @@ def rebuild_model(script, config, ckpt_dir):
     return module.create_model(types.SimpleNamespace(**args))
 
 
-def load_script(script):
-    """A training script as a module of its own (its main() does not run), found by path: a
-    copy of the kit's script under another name works, and so do modules next to it."""
-    path = Path(script).resolve()
-    if str(path.parent) not in sys.path:  # its neighbours (a module with the model, say)
-        sys.path.append(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_training_script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def damaged(ckpt_dir, path, error):
-    """The paragraph for a checkpoint file that does not load: which one, and whether an older
-    complete checkpoint of its run is left (older_checkpoint), which a user can go on from."""
+def damaged(ckpt_dir, path, error, resume=False):
+    """The paragraph for a checkpoint file that does not load: which one, and the newest older
+    complete checkpoint of its run, if one is left: to pass instead, or (``resume``) the
+    command that resumes from it."""
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
             "Nothing was changed or deleted.")
-    older = older_checkpoint(ckpt_dir)
-    if older is None:
-        return text + " No older complete checkpoint is left."
-    return text + f" The previous checkpoint {older} is complete."
-
-
-def older_checkpoint(ckpt_dir):
-    """The newest complete checkpoint of a run older than ``ckpt_dir``, or None."""
     step = int(ckpt_dir.name.removeprefix("step-"))
-    older = [d for s, d in sorted(complete_checkpoints(ckpt_dir.parent.parent).items())
-             if s < step]
-    return older[-1] if older else None
+    older = [d for s, d in sorted(_step_dirs(ckpt_dir.parent.parent, True).items()) if s < step]
+    if not older:
+        return text + " No older complete checkpoint is left." + (
+            " Start a new --experiment-name." if resume else "")
+    text += f" The previous checkpoint {older[-1]} is complete."
+    if not resume:
+        return text + " Pass it instead."
+    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
+            and sys.argv[i - 1] != "--resume-from"]
+    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
+        if "LOCAL_RANK" in os.environ else ["python"]
+    command = shlex.join([*launcher, sys.argv[0], *argv, "--resume-from", older[-1].name])
+    return text + (" Resume from it (this discards what was logged after it) with:\n  "
+                   f"cd {shlex.quote(os.getcwd())} && {command}")
 
 
 def kit_path(name):
@@ -1689,13 +1662,14 @@ def write_atomic(path, text):
     _fsync_dir(path.parent)
 
 
-def _step_dirs(exp_dir):
-    """{step: directory} of the checkpoints that were completely written: the names the kit
-    gives them only (step-000400), so that a copy a user named step-400 is never deleted."""
+def _step_dirs(exp_dir, complete=False):
+    """{step: directory} of the checkpoints under the names the kit gives them only
+    (step-000400), so that a copy a user named step-400 is never deleted; ``complete``: those
+    that carry their run state (every complete one)."""
     root = exp_dir / "checkpoints"
     named = {d.name[5:]: d for d in root.glob("step-*")} if root.exists() else {}
-    return {int(n): d for n, d in named.items()
-            if n.isascii() and n.isdigit() and n == f"{int(n):06d}"}
+    return {int(n): d for n, d in named.items() if n.isascii() and n.isdigit() and
+            n == f"{int(n):06d}" and (not complete or (d / "state.json").exists())}
 
 
 # The per-rank files of a checkpoint (DESIGN.md section 3).
@@ -1833,7 +1807,7 @@ class CheckpointReader:
                      "checkpoint is not damaged and nothing was changed: resume with the "
                      "create_model (and flags) that trained it, or start a new "
                      "--experiment-name.")
-        sys.exit(damaged_checkpoint(self.dir, self.dir / self.name, error))
+        sys.exit(damaged(self.dir, self.dir / self.name, error, resume=True))
 
 
 # What a checkpoint file that does not load raises (dcp's is a BaseException).
@@ -1843,21 +1817,6 @@ LOAD_ERRORS = (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.Unp
 
 def _first_line(error):
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
-
-
-def damaged_checkpoint(ckpt_dir, path, error):
-    """The paragraph for a checkpoint that does not load: which file, and the command that
-    resumes from the older complete checkpoint, if there is one."""
-    text, older = damaged(ckpt_dir, path, error), older_checkpoint(ckpt_dir)
-    if older is None:
-        return text + " Start a new --experiment-name."
-    argv = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--resume-from")
-            and sys.argv[i - 1] != "--resume-from"]
-    launcher = ["torchrun", "--nproc-per-node", os.environ["WORLD_SIZE"]] \
-        if "LOCAL_RANK" in os.environ else ["python"]
-    command = shlex.join([*launcher, sys.argv[0], *argv, "--resume-from", older.name])
-    return text + (" Resume from it (this discards what was logged after it) with:\n  "
-                   f"cd {shlex.quote(os.getcwd())} && {command}")
 
 
 def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
@@ -1975,17 +1934,12 @@ class BackgroundWriter:
             raise error
 
 
-def complete_checkpoints(exp_dir):
-    """{step: directory} of the checkpoints that carry their run state (every complete one)."""
-    return {step: d for step, d in _step_dirs(exp_dir).items() if (d / "state.json").exists()}
-
-
 def run_state(exp_dir, resume_from=None):
     """(the run state to resume from, or None to start afresh; why, for the log): state.json's,
     or the newest complete checkpoint's own copy where state.json is lost, torn or behind
     (DESIGN.md section 3); ``resume_from`` picks an older one on purpose. Nothing is deleted
     here: a state that cannot be found is a refusal, never a fresh start."""
-    complete = complete_checkpoints(exp_dir)
+    complete = _step_dirs(exp_dir, complete=True)
     if resume_from:
         path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it
         if Path(resume_from).name != resume_from and \
