@@ -356,7 +356,6 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
             check_unchanged(args, parser, fingerprint, config,
                             json.loads(own.read_text())["config"],
                             f"{state['checkpoint']} was saved", world_size)
-        run.state = state
         if is_done(args, exp_dir, state, why):
             if args.resume_from:  # a rollback that trains nothing changes nothing
                 sys.exit(f"--resume-from {args.resume_from} with --max-steps {args.max_steps} "
