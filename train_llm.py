@@ -521,12 +521,9 @@ def sequence_losses(logits, targets, label_smoothing=0.0):
     tensors, what a mean over tokens, or over a domain's sequences, is made of."""
     targets, flat = next_token_targets(targets), logits.flatten(0, 1)
     # The logits as they come (bf16 under autocast, as nanoGPT's): a float32 copy costs GPT-2
-    # 9% of its step on an H100. F.cross_entropy keeps [N, V] tensors beside them: past 2**30
-    # (on a CPU 2**28, where it is also slower) utils' scores a chunk of rows at a time.
-    big = flat.numel() > (2**30 if flat.is_cuda else 2**28) and not torch.compiler.is_compiling()
-    kwargs = {"reduction": "none", "label_smoothing": label_smoothing}
-    loss = (utils.cross_entropy(flat, targets.flatten(), **kwargs) if big else
-            F.cross_entropy(flat, targets.flatten(), **kwargs))
+    # 9% of its step on an H100. Under --compile the softmax is fused, its [N, V] not stored.
+    loss = F.cross_entropy(flat, targets.flatten(), reduction="none",
+                           label_smoothing=label_smoothing)
     return loss.view(targets.shape)[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)
 
 

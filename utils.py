@@ -3,7 +3,6 @@ decides how training goes (that is the script's), and nothing here imports the s
 records its script's path, and the model is rebuilt from it (load_trained).
 
     Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
-    The loss             cross_entropy (ChunkedCrossEntropy), label smoothing included
     The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
                          resume), MetricsLog, the loop's refusals, cli
     Measuring            Timer, GarbageCollection, memory, MFU, the profiler
@@ -205,70 +204,6 @@ def check_args(parser, args, local_paths, shipped, create_model):
                          f"a --batch-size that divides {args.global_batch_size} / {world_size} "
                          "on every world size the run may see.")
         args.grad_accum = accum
-
-
-# ----------------------------------------------------------------------------------------------
-# The loss: what train_llm.py's compile_model and sequence_losses call
-# ----------------------------------------------------------------------------------------------
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of [N, V] logits, ``rows`` rows at a time in float32.
-
-    F.cross_entropy of bf16 logits upcasts all of them to float32 and keeps the float32
-    log-probabilities for backward, whose gradient is float32 too: [N, V] float32 tensors are
-    the largest of the step (GPT-2, 16 x 1024 tokens: 3.3 GB each). Here only one chunk of rows
-    is float32 at a time. Forward keeps the logits in their own dtype and each row's
-    log-sum-exp; backward recomputes the softmax from them. Targets of -100 score 0; other
-    targets must be valid class ids (no check here, unlike F.cross_entropy's). ``smoothing``
-    is F.cross_entropy's label_smoothing: the target is 1 - s on the label plus s / V on each.
-    """
-
-    @staticmethod
-    @torch.profiler.record_function("cross_entropy")  # a range of its own in a profile
-    def forward(ctx, logits, targets, rows, smoothing):
-        loss = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(loss)
-        for start in range(0, len(targets), rows):
-            chunk, part = logits[start:start + rows].float(), slice(start, start + rows)
-            lse[part] = chunk.logsumexp(dim=1)
-            picked = chunk.gather(1, targets[part].clamp(min=0)[:, None])[:, 0]
-            loss[part] = lse[part] - (1 - smoothing) * picked
-            if smoothing:
-                loss[part] -= smoothing * chunk.mean(dim=1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.rows, ctx.smoothing = rows, smoothing
-        return loss.masked_fill_(targets == -100, 0)
-
-    @staticmethod
-    @torch.profiler.record_function("cross_entropy_backward")
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        grad = grad.masked_fill(targets == -100, 0)
-        grad_logits = torch.empty_like(logits)
-        for start in range(0, len(targets), ctx.rows):
-            rows = slice(start, start + ctx.rows)
-            softmax = (logits[rows].float() - lse[rows, None]).exp_()
-            if ctx.smoothing:
-                softmax -= ctx.smoothing / logits.shape[1]
-            index = targets[rows].clamp(min=0)[:, None]
-            softmax.scatter_add_(1, index, torch.full(index.shape, ctx.smoothing - 1.0,
-                                                      device=index.device))
-            grad_logits[rows] = softmax.mul_(grad[rows, None])  # softmax - the target
-        return grad_logits, None, None, None
-
-
-def cross_entropy(logits, targets, reduction="mean", label_smoothing=0.0,
-                  chunk_elements=1 << 25):
-    """F.cross_entropy(logits, targets, ...) of [N, V] logits and [N] targets (-100: not
-    scored), with float32 copies of at most ``chunk_elements`` logits at a time
-    (ChunkedCrossEntropy; 128 MB)."""
-    if reduction not in ("none", "mean", "sum") or not 0 <= label_smoothing <= 1:
-        raise ValueError(f"reduction {reduction!r}, label_smoothing {label_smoothing}")
-    loss = ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.shape[1]),
-                                     label_smoothing)
-    if reduction == "none":
-        return loss
-    return loss.sum() / (1 if reduction == "sum" else (targets != -100).sum())
 
 
 # ----------------------------------------------------------------------------------------------

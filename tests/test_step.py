@@ -11,11 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import examples
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import train_llm
@@ -187,75 +182,9 @@ def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
     assert timer.pop() == 0.0
 
 
-# -- The loss: cross-entropy a chunk of rows at a time -------------------------------------------
-
-@settings(max_examples=examples(30), deadline=None)
-@given(tokens=st.integers(1, 40), vocab=st.integers(2, 70), chunk=st.integers(1, 3000),
-       bf16=st.booleans(), ignored=st.floats(0, 1), seed=st.integers(0, 2**31 - 1),
-       smoothing=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
-def test_the_chunked_loss_is_cross_entropy(tokens, vocab, chunk, bf16, ignored, seed, smoothing):
-    """Losses and gradients (with a different weight per token) equal F.cross_entropy's on the
-    float32 logits, however the rows are chunked, whatever share of targets is -100, with and
-    without label smoothing; so do their mean and sum."""
-    generator = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(tokens, vocab, generator=generator)).to(
-        torch.bfloat16 if bf16 else torch.float32).requires_grad_()
-    targets = torch.randint(vocab, (tokens,), generator=generator)
-    targets[torch.rand(tokens, generator=generator) < ignored] = -100
-    weights = torch.randn(tokens, generator=generator)
-
-    loss = utils.cross_entropy(logits, targets, "none", smoothing, chunk_elements=chunk)
-    (grad,) = torch.autograd.grad((loss * weights).sum(), logits)
-    expected = F.cross_entropy(logits.float(), targets, reduction="none",
-                               label_smoothing=smoothing)
-    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
-    assert grad.dtype == logits.dtype
-    # bf16 gradients: both are float32 values rounded to bf16, which may land one bf16 step
-    # (2**-7 relative) apart when the float32 values differ in their last bits.
-    tolerance = 2**-7 if bf16 else 1e-5
-    torch.testing.assert_close(grad.float(), expected_grad.float(), rtol=tolerance,
-                               atol=tolerance)
-    for reduction in ("mean", "sum"):  # (all targets -100: a mean of nothing, NaN in both)
-        torch.testing.assert_close(
-            utils.cross_entropy(logits, targets, reduction, smoothing, chunk_elements=chunk),
-            F.cross_entropy(logits.float(), targets, reduction=reduction,
-                            label_smoothing=smoothing), rtol=1e-5, atol=1e-5, equal_nan=True)
-
-
-class LargestFloat32(TorchDispatchMode):
-    """The most elements of any float32 tensor an op makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.most = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                self.most = max(self.most, t.numel())
-        return out
-
-
-@pytest.mark.parametrize("loss, at_most", [
-    (lambda x, t: utils.cross_entropy(x, t, reduction="none", chunk_elements=4000), 4000),
-    # All logits in float32: the test's proof that it can fail.
-    pytest.param(lambda x, t: F.cross_entropy(x.float(), t, reduction="none"), 4000,
-                 marks=pytest.mark.xfail(strict=True)),
-])
-def test_the_loss_of_bf16_logits_makes_no_float32_copy_of_them(loss, at_most):
-    """Forward and backward hold float32 copies of at most one chunk of the logits."""
-    logits = torch.randn(64, 1000, dtype=torch.bfloat16, requires_grad=True)
-    targets = torch.randint(1000, (64,))
-    with LargestFloat32() as largest:
-        loss(logits, targets).sum().backward()
-    assert largest.most <= at_most
-
-
 def test_label_smoothing_is_the_training_losss_alone():
-    """--label-smoothing goes into train_step's loss (compile_model), the same through the
-    chunked loss that huge logits take; evaluate's sequence_losses stays plain cross-entropy."""
+    """--label-smoothing goes into train_step's loss (compile_model); evaluate's
+    sequence_losses stays plain cross-entropy."""
     args = train_llm.parse_args(["-e", "x", "--label-smoothing", "0.1"])
     training = train_llm.compile_model(small_model(), args)
     logits, targets = torch.randn(2, 6, 50), torch.randint(0, 50, (2, 6))
@@ -263,9 +192,6 @@ def test_label_smoothing_is_the_training_losss_alone():
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
                                reduction="none", label_smoothing=0.1).view(2, 5).sum(dim=1)
     assert torch.allclose(sums, expected) and counts.tolist() == [5, 5]
-    chunked = utils.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(),
-                                  reduction="none", label_smoothing=0.1, chunk_elements=100)
-    assert torch.allclose(chunked.view(2, 5).sum(dim=1), expected, atol=1e-5)
     plain, _ = train_llm.sequence_losses(logits, targets)
     assert torch.allclose(plain, F.cross_entropy(
         logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), reduction="none").view(
