@@ -369,8 +369,7 @@ def refuse_foreign_checkpoints(exp_dir, state):
 
 
 def saved_by(ckpt_dir):
-    """(run id, run directory) of the run that saved a checkpoint, from its state.json; a
-    run of a version that did not record them: (None, None)."""
+    """(run id, run directory) of the run that saved a checkpoint, from its state.json."""
     try:
         state = json.loads((ckpt_dir / "state.json").read_text())
     except (OSError, ValueError):
@@ -398,16 +397,12 @@ def is_done(args, exp_dir, state, why):
 
 def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
     """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
-    A local path that an earlier version recorded as typed (relative) counts as unchanged if
-    it names the same files: the run then keeps its old spelling. A flag of the fingerprint
-    that ``saved`` lacks (added to the script after the run started) counts as its default."""
+    A flag of the fingerprint that ``saved`` lacks (added to the script after the run
+    started) counts as its default."""
     saved = {name: parser.get_default(name) for name in fingerprint} | saved
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
             continue
-        if isinstance(value, str) and (_local(value) or value) == config.get(name) != value:
-            setattr(args, name, value)
-            config[name] = value
         if config.get(name) == value:
             continue
         if name == "file_digests":
@@ -1192,8 +1187,8 @@ def trained_tokenizer(path):
     if not Path(path).exists() or (Path(path) / "config.json").exists():
         return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
     try:
-        return kit_path(json.loads((find_checkpoint(path) / "state.json").read_text())[
-            "config"]["tokenizer"])
+        return json.loads((find_checkpoint(path) / "state.json").read_text())["config"][
+            "tokenizer"]
     except (OSError, ValueError, KeyError, SystemExit):
         return None
 
@@ -1251,7 +1246,7 @@ def load_trained(path, script=None, weights="model"):
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
     model, config = checkpoint_model(find_checkpoint(path), script, weights)
-    tokenizer = pretrained(AutoTokenizer, kit_path(config["tokenizer"]), "the run's --tokenizer")
+    tokenizer = pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
     return model, tokenizer, config
 
 
@@ -1264,11 +1259,11 @@ def checkpoint_model(ckpt_dir, script=None, weights="model"):
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
     if config.get("init_from") and not script:  # the architecture it started from
-        model = load_trained(kit_path(config["init_from"]))[0]
+        model = load_trained(config["init_from"])[0]
         builder = f"the model of --init-from {config['init_from']}"
-    else:  # (a run of a version that did not record its script: the kit's own)
-        script = script or saved.get("script") or str(KIT / "train_llm.py")
-        model = rebuild_model(script, {**saved.get("args", {}), **config}, ckpt_dir)
+    else:
+        script = script or saved["script"]
+        model = rebuild_model(script, {**saved["args"], **config}, ckpt_dir)
         builder = f"create_model of {script}"
     try:
         state = checkpoint_weights(ckpt_dir, weights)
@@ -1303,8 +1298,7 @@ def rebuild_model(script, config, ckpt_dir):
     if not callable(getattr(module, "create_model", None)):
         raise OSError(f"{script} has no create_model: pass the training script (a copy of "
                       "train_llm.py) whose create_model builds the run's model.")
-    args = {**config, **{name: kit_path(config[name]) for name in ("model_name", "tokenizer")}}
-    return module.create_model(types.SimpleNamespace(**args))
+    return module.create_model(types.SimpleNamespace(**config))
 
 
 def damaged(ckpt_dir, path, error, resume=False):
@@ -1331,14 +1325,6 @@ def damaged(ckpt_dir, path, error, resume=False):
                    f"cd {shlex.quote(os.getcwd())} && {command}")
 
 
-def kit_path(name):
-    """A path recorded by a run of an earlier version, relative to where it was started: the
-    shipped assets are found next to this file wherever the caller is."""
-    if name and not os.path.isabs(name) and not os.path.exists(name) and (KIT / name).exists():
-        return str(KIT / name)
-    return name
-
-
 def pretrained(cls, name, what, **kwargs):
     """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
     directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, more
@@ -1363,9 +1349,8 @@ def pretrained(cls, name, what, **kwargs):
 def prompt_format(config):
     """How a run's model expects a prompt: "chat" (trained on conversations, through the
     tokenizer's chat template), "instruction" (data.instruction_prompt) or None (pretrained:
-    plain text). Runs of earlier versions record only their task."""
-    config = config or {}
-    return config.get("prompt_format") or ("instruction" if config.get("task") == "sft" else None)
+    plain text)."""
+    return (config or {}).get("prompt_format")
 
 
 def prompt_text(tokenizer, text, prompt_format=None):
