@@ -9,7 +9,6 @@ import pytest
 from helpers import (
     ROOT,
     copy_run,
-    global_step,
     refused,
     snapshot,
     train,
@@ -58,23 +57,6 @@ def test_other_data_arguments_are_not_called_damage(ten_steps, tmp_path, tiny_mo
     refused(result, "Cannot resume from", "other data arguments", "max_chars=100000",
             "--max-doc-chars")
     assert "damaged" not in result.stderr and snapshot(exp) == before
-
-
-@pytest.mark.slow
-def test_a_run_of_an_earlier_version_with_relative_paths_still_resumes(four_steps, tmp_path,
-                                                                       tiny_model):
-    """Earlier versions recorded the shipped defaults as typed (relative): resumed from the
-    same directory they name the same files, so the run goes on under its old spelling."""
-    exp = copy_run(four_steps, tmp_path)
-    for path in [exp / "state.json", *exp.glob("checkpoints/*/*.json")]:
-        text = path.read_text()
-        assert f'"{ROOT}/' in text
-        path.write_text(text.replace(f'"{ROOT}/', '"'))  # as typed, from the kit's directory
-    result = train(train_args(tmp_path, tiny_model, name="k", max_steps=5))
-    assert result.returncode == 0, result.stderr
-    assert global_step(exp) == 5
-    assert json.loads((exp / "state.json").read_text())["config"]["tokenizer"] == \
-        "assets/tokenizer"
 
 
 @pytest.mark.parametrize("edited", [
