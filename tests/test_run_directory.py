@@ -130,7 +130,7 @@ def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
         (ckpt / "dcp").mkdir(parents=True)
         (ckpt / "state.json").write_text(json.dumps(
             {"global_step": step, "checkpoint": f"checkpoints/step-00000{step}",
-             "config": config}))
+             "config": config, "script": str(ROOT / "train_llm.py"), "args": {}}))
     (run / "checkpoints/step-000002/dcp/.metadata").write_bytes(b"not a checkpoint")
     with pytest.raises(OSError, match="The previous checkpoint .*step-000001 is complete"):
         utils.load_trained(run / "checkpoints/step-000002")
