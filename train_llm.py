@@ -102,14 +102,13 @@ def main():
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]), stop)
-    timers = {n: utils.Timer(ctx.device, n) for n in ("data", "forward", "backward", "update")}
+    timers = {n: utils.Timer(ctx.device) for n in ("data", "forward", "backward", "update")}
     gc_control = utils.GarbageCollection(args.gc_freq)
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
     last_log_step, metrics = state["global_step"], {}  # (the last step's metrics)
-    profiler = utils.profiler(args.profile_steps, run.dir, rank, ctx.device, state["global_step"])
 
     model.train()
-    with logging_redirect_tqdm(), profiler as prof:
+    with logging_redirect_tqdm():
         while state["global_step"] < args.max_steps:
             step = state["global_step"] + 1
             writer.check()  # a background save that failed stops the run here
@@ -153,7 +152,6 @@ def main():
             if step % args.ckpt_freq == 0 or step == args.max_steps or stats["stop"]:
                 save()
             gc_control.step(step)
-            prof.step()
             if stats["stop"]:  # decided together, so all ranks saved and all leave here
                 LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
                 break
@@ -674,8 +672,6 @@ def get_parser():
         help="Weights & Biases project (default: $WANDB_PROJECT, else train-llm)")
     add("--sample-prompt", help="continued at each validation (default 'The'; sft: a question)")
     add("--sample-tokens", type=at_least(0), default=32, help="tokens of it (0: no sample)")
-    add("--profile-steps", default=None, metavar="FIRST,LAST", type=utils.step_range,
-        help="write a torch.profiler trace of these steps into SAVE_DIR/NAME/profile")
 
     add = parser.add_argument_group("distributed (under torchrun)").add_argument
     add("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")

@@ -5,7 +5,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
     Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
     The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
                          resume), MetricsLog, the loop's refusals, cli
-    Measuring            Timer, GarbageCollection, memory, MFU, the profiler
+    Measuring            Timer, GarbageCollection, memory, MFU
     Distributed          joining the process group, gradient sync, all-reduces
     RNGs                 RNG states, the states of several optimizers
     Models               unwrap, check_model, load_trained/rebuild_model, generate
@@ -94,19 +94,6 @@ def finite(low, above=False, high=None, inf=False):
                 f"{f' and <= {high:g}' if high is not None else ''}, got {text}")
         return value
     return number
-
-
-def step_range(text):
-    """--profile-steps FIRST,LAST: two step numbers, 1 <= FIRST <= LAST (kept as text)."""
-    first, comma, last = text.partition(",")
-    try:
-        first, last = int(first), int(last)
-    except ValueError:
-        first = last = None
-    if not comma or first is None or not 1 <= first <= last:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected FIRST,LAST with 1 <= FIRST <= "
-                                         "LAST, e.g. 10,12")
-    return text
 
 
 def torch_device(text):
@@ -743,7 +730,7 @@ def forget_failed_start():
 
 
 # ----------------------------------------------------------------------------------------------
-# Measuring: time, garbage collection, memory, MFU, the profiler
+# Measuring: time, garbage collection, memory, MFU
 # ----------------------------------------------------------------------------------------------
 
 
@@ -756,17 +743,14 @@ class Timer:
     reads the time between them on the GPU's own clock, waiting for the GPU once per log
     interval instead of twice per block (a synchronize would stop the CPU from running ahead).
     A block that only waits on the CPU (the data fetch) then measures how long the GPU stood
-    idle for it, which is the cost that matters. Each block is also a range named ``name`` in
-    a --profile-steps trace (scripts/trace_summary.py adds them up).
+    idle for it, which is the cost that matters.
     """
 
-    def __init__(self, device, name="timer"):
+    def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.total, self.pairs = 0.0, []  # CUDA: (start, end) events not yet added up
-        self.range = torch.profiler.record_function(name)
 
     def __enter__(self):
-        self.range.__enter__()
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -782,7 +766,6 @@ class Timer:
                 self._add_up(wait=False)
         else:
             self.total += time.perf_counter() - self.start
-        self.range.__exit__(*exc)
 
     def _add_up(self, wait=True):
         """Add the timed pairs to the total: all of them (waiting for the GPU to get there), or
@@ -920,36 +903,6 @@ def flops_per_token(model, seq_length):
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
     return 6 * n + 12 * config.num_hidden_layers * heads * head_dim * seq_length
-
-
-def profiler(spec, run_dir, rank, device, global_step):
-    """A torch.profiler over optimizer steps FIRST..LAST (``spec`` = "FIRST,LAST").
-
-    Use as ``with profiler(...) as prof:`` and call ``prof.step()`` at the end of every step.
-    It writes one Chrome trace per rank into run_dir/profile (open it in
-    https://ui.perfetto.dev). ``global_step``: the step this process starts after (the
-    profiler counts steps from where it starts). Without a spec, or when those steps are
-    behind us, it is a no-op.
-    """
-    trace_dir, next_step = Path(run_dir) / "profile", global_step + 1
-    first, last = map(int, spec.split(",")) if spec else (0, -1)
-    if first > last or first < next_step:
-        return contextlib.nullcontext(types.SimpleNamespace(step=lambda: None))
-    # One warm-up step before the first recorded one, when there is one: the profiler's own
-    # start-up cost lands there instead of in the trace.
-    warmup = 1 if first > next_step else 0
-    trace = Path(trace_dir) / f"rank{rank}-steps{first}-{last}.json"
-    trace.parent.mkdir(parents=True, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(skip_first=first - next_step - warmup, wait=0,
-                                         warmup=warmup, active=last - first + 1, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
-        record_shapes=True,
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,17 +6,13 @@ update), as its log lines do; peak memory is the CUDA allocator's active peak (r
 what nvidia-smi shows, is higher), or the process's peak RSS on a CPU.
 
     python scripts/bench_gpu.py                          # GPT-2 124M, seq 1024, 16 x 2 per step
-    python scripts/bench_gpu.py --cases eager compiled torchrun fsdp --before ../kit-old \
-                                --profile traces/        # all rows, before and after, profiled
+    python scripts/bench_gpu.py --cases eager compiled torchrun fsdp --before ../kit-old
 
 --cases: eager, compiled (--compile), torchrun (one rank under torchrun: NCCL), fsdp (the same
 with --fsdp); eager and compiled also run on random tokens. --before DIR runs every case with
 the kit checked out in DIR too (a `git worktree` of an older commit), for a before/after table
-from one run. --profile DIR records two steps near the end of each case on the kit's data (left out
-of the averages, with the log interval they fall in), writes their traces to DIR and prints
-scripts/trace_summary.py's summary of each. With eager and compiled
-both run, their losses over the first 20 steps are compared (the same data and weights: they
-differ only by bf16 rounding).
+from one run. With eager and compiled both run, their losses over the first 20 steps are
+compared (the same data and weights: they differ only by bf16 rounding).
 
 Each case is a fresh train_llm.py process (its own peak memory) on the shipped sample corpus
 and tokenizer, so it runs offline. The first --log-freq steps (compilation, warm-up) are
@@ -28,7 +24,6 @@ script itself.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,10 +82,9 @@ CASES = {  # name: (under torchrun, train_llm.py flags, also on random tokens)
 }
 
 
-def run_case(name, flags, random_data, save_dir, log_freq, kit=ROOT, torchrun=False,
-             last_timed=None):
-    """One training run: the means of its logged speed metrics after the first interval (up
-    to step ``last_timed``), and its loss at every step."""
+def run_case(name, flags, random_data, save_dir, log_freq, kit=ROOT, torchrun=False):
+    """One training run: the means of its logged speed metrics after the first interval, and
+    its loss at every step."""
     argv = ["-e", name, "--save-dir", str(save_dir), *flags]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  "--nproc-per-node=1"] if torchrun else [sys.executable])
@@ -100,8 +94,8 @@ def run_case(name, flags, random_data, save_dir, log_freq, kit=ROOT, torchrun=Fa
     if result.returncode != 0:
         sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in (save_dir / name / "metrics.jsonl").open()]
-    timed = [r for r in rows if "tokens_per_s" in r and r["step"] > log_freq
-             and r["step"] <= (last_timed or r["step"])] or [r for r in rows if "tokens_per_s" in r]
+    timed = [r for r in rows if "tokens_per_s" in r and r["step"] > log_freq] or \
+        [r for r in rows if "tokens_per_s" in r]
 
     def mean(key):
         values = [r[key] for r in timed if r.get(key) is not None]
@@ -127,8 +121,6 @@ def parse_args():
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled case")
     parser.add_argument("--before", type=Path, default=None, metavar="DIR",
                         help="also run every case with the kit checked out in DIR")
-    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="profile two steps of each case; traces and summaries to DIR")
     parser.add_argument("--extra", default="", help="more train_llm.py flags, e.g. "
                         "'--activation-checkpointing'")
     args = parser.parse_args()
@@ -147,10 +139,6 @@ def run_all(args, tmp):
               "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--val-batches", "1",
               "--sample-tokens", "0", "--wandb", "disabled", "--warmup-steps", "10",
               *(["--device", args.device] if args.device else []), *args.extra.split()]
-    # The two steps before the last (which validates and saves), and the one before them for
-    # the profiler's warm-up: with --profile every case's averages end before them.
-    profiled = args.steps - 2
-    last_timed = (profiled - 2) // args.log_freq * args.log_freq if args.profile else None
     kits = [("after", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
     rows = []
     for kit_name, kit in kits:
@@ -158,27 +146,12 @@ def run_all(args, tmp):
             torchrun, flags, with_random = CASES[case]
             for random_data in (False, True) if with_random else (False,):
                 name = f"{kit_name}-{case}-{'random' if random_data else 'kit'}"
-                profile = (["--profile-steps", f"{profiled},{profiled + 1}"]
-                           if args.profile and not random_data and kit_name == "after" else [])
                 print(f"running {name} ...", file=sys.stderr, flush=True)
-                result = run_case(name, common + flags + profile, random_data, tmp,
-                                  args.log_freq, kit, torchrun, last_timed)
+                result = run_case(name, common + flags, random_data, tmp, args.log_freq, kit,
+                                  torchrun)
                 rows.append((kit_name, case, "random tokens" if random_data else "kit pipeline",
                              result))
-                if profile:
-                    summarize_profile(tmp / name / "profile", args.profile / case)
     return rows
-
-
-def summarize_profile(trace_dir, out):
-    """Copy the trace of rank 0 to OUT.json and print its summary."""
-    import trace_summary
-    trace = next(trace_dir.glob("rank0-*.json"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(trace, out.with_suffix(".json"))
-    lines = trace_summary.summarize(json.loads(trace.read_text()))
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-    print(f"\n{out.name}:\n" + "\n".join(lines) + "\n")
 
 
 def print_table(args, rows):

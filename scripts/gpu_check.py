@@ -2,7 +2,7 @@
 same rows as JSON.
 
     python scripts/gpu_check.py                        # a GPU machine: about 8 minutes (an H100)
-    python scripts/gpu_check.py --out $OUT/gpu.json --profile-steps 30,31   # and a profile
+    python scripts/gpu_check.py --out $OUT/gpu.json --parts speed   # the speed rows alone
     python scripts/gpu_check.py --smoke                # the same code paths on the CPU, tiny
 
 Correctness, on the shipped tiny model unless said: the demo's first steps (bf16 on a GPU);
@@ -147,25 +147,17 @@ def speed(check, tmp, args):
               "--max-steps", str(args.steps), "--log-freq", str(args.log_freq),
               "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--warmup-steps", "10",
               *QUIET, *args.device_flags]
-    results, last_timed, profile = {}, None, []
-    if args.profile_steps:  # the averages end before the profiled steps (and their warm-up)
-        profile = ["--profile-steps", args.profile_steps]
-        first = int(args.profile_steps.split(",")[0])
-        last_timed = (first - 2) // args.log_freq * args.log_freq
+    results = {}
     # Random tokens eager only: a second compiled run would cost its compilation again.
     runs = [("eager", "kit", []), ("eager", "random", []), ("compiled", "kit", ["--compile"])]
     for case, data, flags in runs[:2] if args.smoke else runs:
         results[case, data] = r = bench_gpu.run_case(
-            f"{case}-{data}", common + flags + (profile if data == "kit" else []),
-            data == "random", tmp, args.log_freq, last_timed=last_timed)
+            f"{case}-{data}", common + flags, data == "random", tmp, args.log_freq)
         if data == "random":
             ratio = results[case, "kit"]["tokens_per_s"] / r["tokens_per_s"]
             check.row("speed", f"{case}: kit's pipeline ÷ random tokens", f"{ratio:.3f}",
                       "≥ 0.99", ratio >= 0.99, judged=False)
             continue
-        if profile:
-            bench_gpu.summarize_profile(tmp / f"{case}-kit" / "profile",
-                                        args.out.parent / f"profile-{case}")
         goal = {"eager": 0.20, "compiled": 0.40}[case]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         check.row("speed", f"{case}: tokens/s, MFU", f"{r['tokens_per_s']:,.0f}, {mfu}",
@@ -206,8 +198,6 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, about a minute")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs/gpu_check.json")
-    parser.add_argument("--profile-steps", default=None, metavar="FIRST,LAST",
-                        help="also profile these steps of the speed runs on the kit's data")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS,
                         help="run only these parts (default: all)")
     args = parser.parse_args()

@@ -6,7 +6,6 @@ stopped or broken on purpose and must continue from their checkpoints to the ver
 """
 
 import argparse
-import collections
 import json
 import random
 import signal
@@ -35,18 +34,15 @@ from helpers import (
 
 import utils
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import trace_summary  # noqa: E402
-
 CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json",
               "state.json"}
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, tiny_model):
-    """The reference: one uninterrupted run (which also records a profiler trace)."""
+    """The reference: one uninterrupted run."""
     save_dir = tmp_path_factory.mktemp("straight")
-    result = train(train_args(save_dir, tiny_model, profile_steps="3,4"))
+    result = train(train_args(save_dir, tiny_model))
     assert result.returncode == 0, result.stderr
     return save_dir / "run"
 
@@ -68,21 +64,6 @@ def test_trains_and_writes_the_documented_layout(straight, tiny_model):
         # The checkpoint's own copy of the run state names it: a run can resume from it alone.
         own = json.loads((ckpt / "state.json").read_text())
         assert own["checkpoint"] == f"checkpoints/{ckpt.name}"
-    trace = json.loads((straight / "profile/rank0-steps3-4.json").read_text())
-    names = collections.Counter(event.get("name") for event in trace["traceEvents"])
-    # Steps 3 and 4 and no other (the profiler counts the run's first step, 1, as #0), each
-    # with its backward and one optimizer step.
-    assert sorted(n for n in names if n and n.startswith("ProfilerStep")) == [
-        "ProfilerStep#2", "ProfilerStep#3"]
-    optimizer_steps = sum(n for name, n in names.items() if name and name.startswith(
-        "Optimizer.step#"))  # (named after the optimizer's class: whichever it is)
-    assert optimizer_steps == 2 and any("Backward" in n for n in names if n)
-    # scripts/trace_summary.py finds the loop's named ranges in it, each within the step.
-    summary = trace_summary.summarize(trace)
-    assert summary[0].startswith("2 step(s)")
-    for name in ("data", "forward", "backward", "update"):
-        share = next(line for line in summary if line.split()[0] == name).split()[-1]
-        assert 0 <= float(share.rstrip("%")) <= 100
 
     rows = metrics(straight)
     assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1))
@@ -277,36 +258,6 @@ def test_init_from_pretrained_starts_from_the_saved_weights(tiny_model, tmp_path
         assert result.returncode == 0, result.stderr
         loss = metrics(tmp_path / name)[0]["loss"]
         assert (abs(loss - expected) < 1e-5) == same, (name, loss, expected)
-
-
-def test_trace_summary_of_a_gpu_trace():
-    """A made-up GPU trace of 2 steps: the loop's ranges (CPU clock), the GPU's busy share and
-    gaps, the attention kernels and the host's waits, per step."""
-    def event(cat, name, ts, dur):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-    trace = {"traceEvents": [
-        event("user_annotation", "ProfilerStep#0", 0, 600),
-        event("user_annotation", "ProfilerStep#1", 600, 600),
-        event("kernel", "ampere_gemm", 0, 100), event("kernel", "ampere_gemm", 50, 100),
-        event("kernel", "flash_fwd_kernel", 200, 100),  # a gap of 50 us before it
-        event("kernel", "ampere_gemm", 1000, 100),  # 700 us idle before it
-        event("kernel", "flash_fwd_kernel", 1110, 100),  # 10 us: no gap
-        event("user_annotation", "forward", 10, 300),
-        event("user_annotation", "forward", 700, 210),
-        event("gpu_user_annotation", "ProfilerStep#0", 0, 300),  # not a range of the loop
-        event("gpu_user_annotation", "forward", 0, 300),
-        event("cuda_runtime", "cudaStreamSynchronize", 400, 30),
-        event("cuda_runtime", "cudaLaunchKernel", 410, 5),  # not a wait
-    ]}
-    summary = "\n".join(trace_summary.summarize(trace))
-    assert "forward                                   0.26 ms" in summary  # 510 us / 2 steps
-    assert "ProfilerStep" not in summary
-    busy = (150 + 100 + 100 + 100) / 1210
-    assert (f"GPU busy {busy:.1%} of 0.60 ms per step; 1 gaps over 20 us per step, 0.38 ms"
-            in summary)
-    assert "attention kernels: 40.0% of kernel time\n  flash_fwd_kernel" in summary
-    assert ("host waits for the GPU: 0.5 per step, 0.01 ms per step (cudaStreamSynchronize)"
-            in summary)
 
 
 def test_every_step_reaches_wandb_in_order_a_log_interval_at_a_time(tmp_path):
