@@ -1146,31 +1146,18 @@ def trained_tokenizer(path):
         return None
 
 
-def checkpoint_weights(ckpt_dir, weights="model"):
-    """The model's full state dict in a checkpoint: model.pt, or the model part of the DCP
-    shards that --fsdp writes (merged here into one file first, then loaded). ``weights``
-    names another state of the checkpoint that holds the model's weights (an EMA's, saved
-    as ema.pt by train_llm.py's ``extra``)."""
-    if (ckpt_dir / f"{weights}.pt").exists():
-        return averaged_weights(load(ckpt_dir / f"{weights}.pt", "cpu"))
-    if weights != "model" and not (ckpt_dir / "dcp").is_dir():
-        raise FileNotFoundError(errno.ENOENT, f"no {weights}.pt (--weights {weights})",
-                                str(ckpt_dir / f"{weights}.pt"))
+def checkpoint_weights(ckpt_dir, name="model"):
+    """A full state dict of a checkpoint: NAME.pt, or NAME's part of the DCP shards that --fsdp
+    writes (merged here into one file first, then loaded)."""
+    if (ckpt_dir / f"{name}.pt").exists() or not (ckpt_dir / "dcp").is_dir():
+        return load(ckpt_dir / f"{name}.pt", "cpu")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     metadata = ckpt_dir / "dcp" / ".metadata"
     if not metadata.is_file():  # (dcp would print tracebacks first, on the root logger)
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
-        return averaged_weights(load(Path(tmp) / "full.pt", "cpu")[weights])
-
-
-def averaged_weights(state):
-    """Model weights in a state of your own: torch.optim.swa_utils.AveragedModel (an EMA)
-    saves the model's as "module.NAME", beside its count "n_averaged"."""
-    if "n_averaged" in state:
-        return {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
-    return state
+        return load(Path(tmp) / "full.pt", "cpu")[name]
 
 
 # An export's own file (scripts/export_hf.py writes it): the run's config and the checkpoint
@@ -1178,37 +1165,30 @@ def averaged_weights(state):
 EXPORT_MARKER = "train_llm.json"
 
 
-def load_trained(path, script=None, weights="model"):
+def load_trained(path, script=None):
     """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
     directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
     as a run's hf/) or a Hub name. The model is float32, on the CPU. A checkpoint's model is
     built by the create_model of the script that trained the run (rebuild_model), or of
-    ``script`` if given; ``weights`` picks another set of its weights (see checkpoint_weights)."""
+    ``script`` if given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if script is not None and not Path(script).is_file():
         raise OSError(f"--script {script}: no such file. Pass the training script that trained "
                       "the run, or leave --script out (a run records its own).")
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
-        if weights != "model":
-            raise OSError(f"{path} is a Hugging Face model: it holds one set of weights; "
-                          f"--weights {weights} reads a run's or a checkpoint's")
         record = path / EXPORT_MARKER  # what hf/ says about the run that made it
         config = json.loads(record.read_text()) if record.exists() else None
         what = "run, checkpoint or Hugging Face model"
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
-    model, config = checkpoint_model(find_checkpoint(path), script, weights)
+    model, config = checkpoint_model(find_checkpoint(path), script)
     tokenizer = pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
     return model, tokenizer, config
 
 
-def checkpoint_model(ckpt_dir, script=None, weights="model"):
+def checkpoint_model(ckpt_dir, script=None):
     """(the model of a checkpoint directory, with its weights; the run's config)."""
-    if weights in KIT_STATES[1:] or weights.startswith("rng-rank"):
-        raise OSError(f"{weights}.pt is the {weights.replace('_', ' ')} state of the run, not a "
-                      "model's weights: pass --weights model, or the name of training state "
-                      "of your own that holds weights (extra, e.g. ema)")
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
     if config.get("init_from") and not script:  # the architecture it started from
@@ -1219,11 +1199,9 @@ def checkpoint_model(ckpt_dir, script=None, weights="model"):
         model = rebuild_model(script, {**saved["args"], **config}, ckpt_dir)
         builder = f"create_model of {script}"
     try:
-        state = checkpoint_weights(ckpt_dir, weights)
+        state = checkpoint_weights(ckpt_dir)
     except LOAD_ERRORS as e:
-        name = f"{weights}.pt" if (ckpt_dir / f"{weights}.pt").exists() else "dcp"
-        if isinstance(e, FileNotFoundError) and weights != "model":  # not damage: not there
-            raise OSError(f"{ckpt_dir} holds no weights named {weights!r} ({e.strerror})") from e
+        name = "dcp" if (ckpt_dir / "dcp").is_dir() else "model.pt"
         raise OSError(damaged(ckpt_dir, ckpt_dir / name, e)) from e
     try:
         model.load_state_dict(state)

@@ -122,7 +122,7 @@ def main():
         sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     source = args.checkpoint or args.run_dir
     kit = project.project_utils(source, args.script)  # a copy's own utils.py, if it has one
-    model, tokenizer, config = kit.load_trained(source, script=args.script, weights=args.weights)
+    model, tokenizer, config = project.load_trained(kit, source, args.script, args.weights)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "

@@ -52,8 +52,7 @@ def main():
     args = parser.parse_args()
 
     kit = project.project_utils(args.model, args.script)  # a copy's own utils.py, if it has one
-    model, tokenizer, config = kit.load_trained(args.model, script=args.script,
-                                                weights=args.weights)
+    model, tokenizer, config = project.load_trained(kit, args.model, args.script, args.weights)
     model.to(args.device).eval()
     layout = None if args.no_template else kit.prompt_format(config)  # as it was trained
     print(kit.prompt_text(tokenizer, args.prompt, layout)

@@ -38,3 +38,28 @@ def project_utils(path, script=None):
         sys.modules.update(kit)
         return utils
     return sys.modules["utils"]
+
+
+def load_trained(kit, path, script=None, weights="model"):
+    """``kit.load_trained(path, script)``, with ``weights`` naming the set of a checkpoint's
+    weights to load: model, or a training state of your own that holds the model's (extra in
+    train_llm.py; an EMA, torch.optim.swa_utils.AveragedModel, saves them as "module.NAME"
+    beside its count "n_averaged")."""
+    model, tokenizer, config = kit.load_trained(path, script)
+    if weights == "model":
+        return model, tokenizer, config
+    if not Path(path).exists() or (Path(path) / "config.json").exists():
+        sys.exit(f"{path} is a Hugging Face model: it holds one set of weights; --weights "
+                 f"{weights} reads a run's or a checkpoint's")
+    if weights in kit.KIT_STATES[1:] or weights.startswith("rng-rank"):
+        sys.exit(f"{weights}.pt is the {weights.replace('_', ' ')} state of the run, not a "
+                 "model's weights: pass --weights model, or the name of training state of "
+                 "your own that holds weights (extra, e.g. ema)")
+    ckpt_dir = kit.find_checkpoint(path)
+    if not (ckpt_dir / f"{weights}.pt").exists() and not (ckpt_dir / "dcp").is_dir():
+        sys.exit(f"{ckpt_dir} holds no weights named {weights!r} (no {weights}.pt)")
+    state = kit.checkpoint_weights(ckpt_dir, weights)
+    if "n_averaged" in state:
+        state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
+    model.load_state_dict(state)
+    return model, tokenizer, config

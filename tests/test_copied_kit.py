@@ -195,8 +195,8 @@ def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "def (the project's own utils.py)"
     utils_py.write_text(utils_py.read_text().replace(
-        'def load_trained(path, script=None, weights="model"):',
-        'def load_trained(path, script=None, weights="model"):'
+        'def load_trained(path, script=None):',
+        'def load_trained(path, script=None):'
         "\n    raise OSError('the project load_trained')", 1))
     refused(kit_script("export_hf", [tmp_path / "run", "--out", tmp_path / "out"]),
             "the project load_trained")
