@@ -103,8 +103,6 @@ class Stage:
         ahead passes ``upstream=`` itself: the state that belongs to its last item handed out.
         (The key order is the order in the JSON files: keep it.)"""
         state = {"config": self.config, **fields}
-        if set(fields) - {"upstream"} and type(self).reshard_state is Stage.reshard_state:
-            state["cannot_reshard"] = type(self).__name__  # (said at start: reshard_blockers)
         if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
         return state
@@ -2017,20 +2015,6 @@ def first_read(pipeline):
         if isinstance(stage, Prefetch):
             stage.peek()
         stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] if stage.src else []
-
-
-def reshard_blockers(state):
-    """The stages of a saved loader state (any rank's) that keep state but have no
-    reshard_state: checked at a resume's start, before anything is built."""
-    found, todo = [], [state]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, dict):
-            found += [item["cannot_reshard"]] if "cannot_reshard" in item else []
-            todo += item.values()
-        elif isinstance(item, list):
-            todo += item
-    return sorted(set(found))
 
 
 def reshard(pipeline, states):

@@ -231,8 +231,15 @@ class Run:
             if failed:
                 raise failed
         if self.rank == 0:
-            if not self.state["checkpoint"]:  # a start from scratch: what was logged is not its
-                set_aside(self.dir / "metrics.jsonl")
+            metrics = self.dir / "metrics.jsonl"
+            if not self.state["checkpoint"] and metrics.exists() and metrics.stat().st_size:
+                # A start from scratch: what was logged (a user's, an earlier run's) is not its.
+                # Moved to metrics.jsonl.N (the first free N), and said: nothing it holds is cut.
+                n = next(n for n in itertools.count(1)
+                         if not (self.dir / f"metrics.jsonl.{n}").exists())
+                metrics.rename(self.dir / f"metrics.jsonl.{n}")
+                LOGGER.warning(f"{metrics} was there before this run started from scratch: "
+                               f"moved to metrics.jsonl.{n}")
             discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
             if args.resume_from:  # state.json must not name a checkpoint just discarded
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
@@ -252,7 +259,14 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     if rank == 0:
         created = [p for p in (exp_dir, *exp_dir.parents) if not p.exists()]
         exp_dir.mkdir(parents=True, exist_ok=True)
-        lock_file = lock(exp_dir)
+        # Locked for as long as this process lives (two runs there would overwrite each other);
+        # the kernel drops the lock however the process dies.
+        lock_file = open(exp_dir / ".lock", "w")
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"Another process is training in {exp_dir}: stop it first (see `fuser -v "
+                     f"{exp_dir / '.lock'}`), or pick another --experiment-name.")
         log_to_file(exp_dir / "train.log", rank)
     RUN = run = Run(exp_dir, rank, created, lock_file)
     for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
@@ -268,7 +282,6 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
-        refuse_reshard(exp_dir, state, world_size)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
         check_unchanged(args, parser, fingerprint, config, state["config"],
@@ -286,28 +299,9 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
             return None
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
-    if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()) and \
-            Path(state["run_dir"]).exists():  # (a run moved away keeps its wandb run)
-        LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
-        state["wandb_run_id"] = None  # (else `wandb sync` would merge the two curves)
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
-
-
-def refuse_reshard(exp_dir, state, world_size):
-    """A resume on another number of ranks, of a data pipeline with a stage whose state cannot
-    be split across ranks, is refused now, before anything is built (data.reshard_blockers)."""
-    saved = state.get("world_size", 1)
-    try:
-        loader = json.loads((exp_dir / state["checkpoint"] / LOADER_FILE.format(0)).read_text())
-    except (OSError, ValueError):  # (CheckpointReader says what is wrong with it)
-        return
-    if saved != world_size and (blockers := data.reshard_blockers(loader)):
-        sys.exit(f"Cannot resume on {world_size} rank(s) what {saved} saved: the data "
-                 f"pipeline's {', '.join(blockers)} keeps state that cannot be split across "
-                 f"ranks. Resume on {saved} rank(s), or give the stage a reshard_state; DESIGN.md "
-                 "section 4. Nothing was changed.")
 
 
 def fresh_state(args, exp_dir, config):
@@ -584,27 +578,21 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
                  "--batch-size/--seq-length.")
     if not left:
         LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
-    elif step == 1:  # empty documents would train on BOS and EOS alone, for ever
-        refuse_untrainable(batches, tokenizer, args, ctx, loader)
-    return left
-
-
-def refuse_untrainable(batches, tokenizer, args, ctx, loader):
-    """End a new run whose first step scores nothing but special tokens: its documents are
-    empty ("text": ""), or their field holds nothing the tokenizer keeps."""
+    if not left or step > 1:
+        return left
+    # Empty documents ("text": "", or a field that holds nothing the tokenizer keeps) would
+    # train on BOS and EOS alone, for ever: a first step that scores nothing else is refused.
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     targets = [b["labels"] if "labels" in b else b["input_ids"] for b in batches]
     scored = [t[:, 1:][t[:, 1:] != -100] for t in targets]  # each token's next one
-    learnable = any((~torch.isin(t, special)).any() for t in scored)
-    if ctx.world_size > 1:
-        learnable = not all_ranks(not learnable, ctx.cpu_group)  # any rank has some
-    if not learnable:
+    if not any_rank(any((~torch.isin(t, special)).any() for t in scored), ctx):
         loader.close()
         sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
                  f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
                  f"--dataset {args.dataset} are empty, or their text is not where the kit "
                  "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
                  "or (--task sft) --seq-length cuts every answer off.")
+    return True
 
 
 def stop_if_diverged(stats, step, run, loader, writer):
@@ -629,11 +617,6 @@ def past_first_step(step, run, args, ctx):
     run.stepped = True
     if step == run.first_step + 1 and ctx.distributed:
         set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
-
-
-# Failures a user can mend (bad data, a missing or unreadable file, a full disk) end in one
-# paragraph; anything else is a bug and keeps its traceback.
-EXPECTED = (data.DataError, OSError)
 
 
 def cli(main):
@@ -676,7 +659,7 @@ def expected_failure(error):
     if peer_gone(error):  # the rank that failed says why in its own paragraph
         return (f"rank {os.environ.get('RANK', 0)}: stopped because another rank failed or "
                 "stopped answering (see its message; --debug shows this rank's traceback)")
-    if isinstance(error, EXPECTED):
+    if isinstance(error, (data.DataError, OSError)):  # bad data, a file, a full disk
         where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
                 "from.)")
@@ -689,16 +672,13 @@ def expected_failure(error):
     return None
 
 
-# How a collective fails on the ranks left when another rank exits or hangs: gloo says so in a
-# RuntimeError, NCCL (ncclRemoteError) and the TCP store in a torch.distributed.DistError.
-PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
-             "timed out", "remote process exited")
-
-
 def peer_gone(error):
-    """Whether ``error`` is a collective that failed because another rank exited or hung."""
+    """Whether ``error`` is a collective that failed because another rank exited or hung: gloo
+    says so in a RuntimeError, NCCL (ncclRemoteError) and the TCP store in a DistError."""
     return int(os.environ.get("WORLD_SIZE", 1)) > 1 and isinstance(error, RuntimeError) and \
-        any(words in str(error).lower() for words in PEER_GONE)
+        any(words in str(error).lower() for words in (
+            "connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+            "remote process exited"))
 
 
 def tell_torchrun(message, cause=True):
@@ -736,15 +716,10 @@ def forget_failed_start():
 
 
 class Timer:
-    """Adds up the time spent inside ``with timer:`` blocks.
-
-    On CPU, wall time. CUDA kernels run asynchronously, so wall time would charge a block
-    only for queueing its kernels: there a block records a CUDA event at each end, and pop()
-    reads the time between them on the GPU's own clock, waiting for the GPU once per log
-    interval instead of twice per block (a synchronize would stop the CPU from running ahead).
-    A block that only waits on the CPU (the data fetch) then measures how long the GPU stood
-    idle for it, which is the cost that matters.
-    """
+    """Adds up the time spent inside ``with timer:`` blocks: on a CPU wall time; on CUDA, whose
+    kernels run asynchronously, the GPU's time between two events, read once per log interval
+    (a synchronize per block would stop the CPU from running ahead). A block that only waits on
+    the CPU (the data fetch) then measures how long the GPU stood idle for it."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -921,18 +896,6 @@ def die_with_parent():
             os._exit(1)
 
 
-def lock(exp_dir):
-    """Hold an exclusive lock on the run directory for as long as this process lives (two runs
-    there would overwrite each other); the kernel drops it however the process dies."""
-    f = open(exp_dir / ".lock", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        sys.exit(f"Another process is training in {exp_dir}: stop it first (see `fuser -v "
-                 f"{exp_dir / '.lock'}`), or pick another --experiment-name.")
-    return f
-
-
 def deterministic():
     """Deterministic CUDA kernels, so that a GPU run repeats (and resumes) to the bit.
 
@@ -1012,10 +975,8 @@ def join_process_group(backend, rank, world_size, dist_timeout, device):
 
 def set_collective_timeout(timeout):
     """How long a collective waits for the other ranks before the process fails."""
-    set_timeout = getattr(torch.distributed, "set_timeout", None)  # public in newer releases
-    if set_timeout is None:
-        from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
-    set_timeout(timeout)
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # (torch 2.13: not public)
+    _set_pg_timeout(timeout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1094,9 +1055,7 @@ def check_model(model, tokenizer, args):
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "
                  f"of --model-name {args.model_name}")
     from transformers import PreTrainedModel  # (imported by then: the script uses it)
-    if isinstance(model, PreTrainedModel):
-        return
-    if args.activation_checkpointing:
+    if args.activation_checkpointing and not isinstance(model, PreTrainedModel):
         sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
                  f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
                  "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
@@ -1182,13 +1141,7 @@ def load_trained(path, script=None):
         what = "run, checkpoint or Hugging Face model"
         return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
-    model, config = checkpoint_model(find_checkpoint(path), script)
-    tokenizer = pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
-    return model, tokenizer, config
-
-
-def checkpoint_model(ckpt_dir, script=None):
-    """(the model of a checkpoint directory, with its weights; the run's config)."""
+    ckpt_dir = find_checkpoint(path)
     saved = json.loads((ckpt_dir / "state.json").read_text())
     config = saved["config"]
     if config.get("init_from") and not script:  # the architecture it started from
@@ -1209,7 +1162,7 @@ def checkpoint_model(ckpt_dir, script=None):
         raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
                       f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
                       "damaged: put back the create_model that trained it.") from e
-    return model, config
+    return model, pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer"), config
 
 
 def rebuild_model(script, config, ckpt_dir):
@@ -1237,8 +1190,7 @@ def damaged(ckpt_dir, path, error, resume=False):
     complete checkpoint of its run, if one is left: to pass instead, or (``resume``) the
     command that resumes from it."""
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            "Nothing was changed or deleted.")
+            f"({type(error).__name__}: {_first_line(error)}). Nothing was changed or deleted.")
     step = int(ckpt_dir.name.removeprefix("step-"))
     older = [d for s, d in sorted(_step_dirs(ckpt_dir.parent.parent, True).items()) if s < step]
     if not older:
@@ -1330,9 +1282,20 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
     sample = temperature > 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        if not hasattr(model, "generate"):  # a model of your own (create_model)
-            out = sample_plainly(model, ids, max_new_tokens, temperature, top_k,
-                                 None if fixed_length else tokenizer.eos_token_id)
+        if not hasattr(model, "generate"):  # a model of your own (create_model): a forward
+            out = ids  # pass over the whole sequence per new token (no KV cache), top-k
+            for _ in range(max_new_tokens):
+                logits = torch.nan_to_num(model(input_ids=out).logits[:, -1, :].float())
+                if sample:
+                    logits = logits / temperature
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    next_id = torch.multinomial(torch.softmax(
+                        logits.masked_fill(logits < kth, -math.inf), dim=-1), 1)
+                else:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                out = torch.cat([out, next_id], dim=1)
+                if not fixed_length and next_id.item() == tokenizer.eos_token_id:
+                    break
             return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         out = model.generate(ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, do_sample=sample,
@@ -1342,24 +1305,6 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
                              pad_token_id=tokenizer.eos_token_id,
                              remove_invalid_values=True)  # broken weights: nonsense, no crash
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
-def sample_plainly(model, ids, max_new_tokens, temperature, top_k, eos_id):
-    """Sampling for a model without transformers' generate(): a forward pass over the whole
-    sequence per new token (no KV cache), top-k, stopping at ``eos_id`` (None: never)."""
-    for _ in range(max_new_tokens):
-        logits = torch.nan_to_num(model(input_ids=ids).logits[:, -1, :].float())
-        if temperature > 0:
-            logits = logits / temperature
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            next_id = torch.multinomial(torch.softmax(logits.masked_fill(logits < kth, -math.inf),
-                                                      dim=-1), 1)
-        else:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        ids = torch.cat([ids, next_id], dim=1)
-        if next_id.item() == eos_id:
-            break
-    return ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1494,8 +1439,6 @@ def save_tensors(obj, f):
     """torch.save, without the CRC-32 of every record in its zip archive: torch.load never
     checks it, and computing it took 0.6 s of CPU per 1.3 GB, CPU that a background save
     takes from training."""
-    if not hasattr(torch.serialization, "set_crc32_options"):  # an older torch: no switch
-        return torch.save(obj, f)
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -1529,11 +1472,9 @@ KIT_STATES = ("model", "optimizer", "lr_scheduler")  # NAME.pt in a checkpoint (
 
 def checkpoint_writer(mode, ctx):
     """What writes the checkpoints (--checkpoint-writer): a background thread (BackgroundWriter),
-    or the training thread itself (sync). auto: the background on a GPU, whose training thread
-    mostly waits for the GPU, and sync on a CPU, whose training threads use every core: there a
-    writer can only take its CPU time from them (DESIGN.md section 3).
-    Under torchrun the writer's barriers run on a gloo group of their own: collectives from
-    another thread must not interleave with the training loop's on the default group."""
+    or the training thread itself (sync); auto: the background on a GPU, sync on a CPU, whose
+    training threads use every core (DESIGN.md section 3). The writer's barriers run on a gloo
+    group of their own: collectives from another thread must not interleave with the loop's."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
         group = torch.distributed.new_group(backend="gloo",
@@ -1610,25 +1551,23 @@ class CheckpointReader:
                     f"skipped or repeated; {report}")
 
     def load_extras(self, names):
-        """The states of your own saved as NAME.pt (extra in train_llm.py). One the checkpoint
-        holds that ``names`` lacks (the script that saved it had it) is named in a warning."""
+        """The states of your own saved as NAME.pt (extra in train_llm.py). One that ``names``
+        has and the checkpoint lacks (saved before it was added) is refused by name; one the
+        checkpoint holds that ``names`` lacks (the script that saved it had it) is named in a
+        warning."""
+        missing = [name for name in names if not (self.dir / f"{name}.pt").exists()]
+        if missing:
+            sys.exit(f"Cannot resume from {self.dir}: it holds no {missing[0]}.pt, the training "
+                     f"state '{missing[0]}' that this script adds (it was saved without it). "
+                     "Resume with the script that saved it, or start a new --experiment-name "
+                     f"(--init-from {self.dir} keeps the weights). Nothing was changed.")
         dropped = sorted(p.stem for p in self.dir.glob("*.pt") if p.stem not in
                          (*KIT_STATES, *names) and not p.name.startswith("rng-rank"))
         if dropped:
             LOGGER.warning(f"{self.dir} holds training state that this script does not add "
                            f"to extra: {', '.join(f'{n}.pt' for n in dropped)}. Resuming "
                            "without it; the next checkpoints will not hold it.")
-        return {name: self.load_extra(name) for name in names}
-
-    def load_extra(self, name):
-        """The state of your own saved as NAME.pt (extra in train_llm.py), refused by name if
-        the checkpoint was saved before it was added."""
-        if not self.path(f"{name}.pt").exists():
-            sys.exit(f"Cannot resume from {self.dir}: it holds no {name}.pt, the training state "
-                     f"'{name}' that this script adds (it was saved without it). Resume with the "
-                     "script that saved it, or start a new --experiment-name (--init-from "
-                     f"{self.dir} keeps the weights). Nothing was changed.")
-        return self.load(f"{name}.pt", "cpu")
+        return {name: self.load(f"{name}.pt", "cpu") for name in names}
 
     def load_rng(self):
         """This rank's RNG states (a rank that did not exist when it was saved: rank 0's)."""
@@ -1674,7 +1613,7 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
     then delete all but the newest ``keep`` of the run's own checkpoints. Order is everything:
     a kill at any instant leaves state.json naming a complete checkpoint (DESIGN.md section 3).
     Every rank calls it with its own files; a value that is a function is called with its path
-    (dcp.save, which all ranks run together). Returns the checkpoint's path in ``exp_dir``."""
+    (dcp.save, which all ranks run together)."""
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -1710,7 +1649,6 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
             os.rename(old, gone)
             threading.Thread(target=shutil.rmtree, args=(gone, True)).start()  # (exit waits)
     barrier()  # no rank runs ahead into a checkpoint that is not complete
-    return state["checkpoint"]
 
 
 class BackgroundWriter:
@@ -1736,7 +1674,7 @@ class BackgroundWriter:
             torch.distributed.barrier(group=self.group)
 
     def submit(self, name, write, files):
-        """Write ``files`` with ``write``; returns the seconds the caller was held up."""
+        """Write ``files`` with ``write`` (here if ``sync``, else in the writer's thread)."""
         start = time.perf_counter()
         self.wait()
         staging = time.perf_counter()
@@ -1744,7 +1682,7 @@ class BackgroundWriter:
             write(files)
             held = time.perf_counter() - start
             self.log(f"Saved {name} in {held:.2f} s (synchronously: training waited)")
-            return held
+            return
         if torch.__version__ < "2.13":  # torch 2.11's stager empties itself after each stage
             self.stager = DefaultStager(self.options)
         # The stager copies plain Python slowly (a loader state: 0.7 s, where json.dumps takes
@@ -1758,7 +1696,6 @@ class BackgroundWriter:
         self.thread = threading.Thread(target=self._write, args=(name, write, staged),
                                        name="checkpoint-writer", daemon=True)
         self.thread.start()
-        return held
 
     def _write(self, name, write, staged):
         start = time.perf_counter()
@@ -1836,29 +1773,15 @@ def discard_after(exp_dir, step, run_id=None):
     if metrics.exists():
         lines = metrics.read_text(errors="replace").split("\n")
         lines.pop()  # "" after the last newline, or the torn line of a killed write
-        write_atomic(metrics, "".join(line + "\n" for line in lines
-                                      if not _logged_after(line, step)))
-
-
-def set_aside(path):
-    """Move a file that a start from scratch would append to (a user's, an earlier run's)
-    to PATH.N (the first free N), and say where: nothing it holds is cut."""
-    if path.exists() and path.stat().st_size:
-        n = next(n for n in itertools.count(1) if not path.with_name(f"{path.name}.{n}").exists())
-        path.rename(path.with_name(f"{path.name}.{n}"))
-        LOGGER.warning(f"{path} was there before this run started from scratch: moved to "
-                       f"{path.name}.{n}")
-
-
-def _logged_after(line, step):
-    """Whether a line of metrics.jsonl is a step's record after ``step`` (a line a user
-    added by hand, a note, is none: it stays)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and isinstance(record.get("step"), int) and \
-        record["step"] > step
+        kept = ""
+        for line in lines:  # (a line that is no step's record, a note a user added, stays)
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and isinstance(record.get("step"), int) and \
+                        record["step"] > step:
+                    continue
+            kept += line + "\n"
+        write_atomic(metrics, kept)
 
 
 def rewrite_last_line(f, line):

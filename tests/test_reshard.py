@@ -212,26 +212,3 @@ def test_a_stage_with_state_before_tokenize_that_cannot_reshard_is_refused_by_na
                         TOKENIZER)
     with pytest.raises(ValueError, match="the state of Take cannot be split across ranks"):
         data.reshard(one, states)
-
-
-def test_a_stage_that_cannot_reshard_is_named_by_its_state_and_refused_at_start(tmp_path):
-    """Every saved state names the stages that cannot move to another number of ranks; a
-    resume on another number is refused from that, before anything is built."""
-    import utils
-    write_corpus(tmp_path, [10, 10])
-    files = data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2)
-    plain = data.ConcatChunk(data.Tokenize(data.Files(str(tmp_path / "*.jsonl"),
-                                                      n_active_shards=2), TOKENIZER), 8)
-    assert data.reshard_blockers(json.loads(json.dumps(plain.state_dict()))) == []
-    before = data.Tokenize(data.Take(files, 5), TOKENIZER)
-    after = data.Take(data.Tokenize(files, TOKENIZER), 5)
-    assert data.reshard_blockers(before.state_dict()) == ["Take"]
-    assert data.reshard_blockers(after.state_dict()) == ["Take"]
-    ckpt = tmp_path / "run/checkpoints/step-000002"
-    ckpt.mkdir(parents=True)
-    (ckpt / "loader-rank0.json").write_text(json.dumps(after.state_dict()))
-    state = {"checkpoint": "checkpoints/step-000002", "world_size": 2}
-    utils.refuse_reshard(tmp_path / "run", state, 2)  # the same number of ranks: fine
-    with pytest.raises(SystemExit, match="Cannot resume on 1 rank.* what 2 saved: .* Take "
-                       "keeps state .* Resume on 2 rank"):
-        utils.refuse_reshard(tmp_path / "run", state, 1)
