@@ -299,6 +299,10 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
             return None
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
+    if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()) and \
+            Path(state["run_dir"]).exists():  # (a run moved away keeps its wandb run)
+        LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
+        state["wandb_run_id"] = None  # (else `wandb sync` would merge the two curves)
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
@@ -885,10 +889,9 @@ def flops_per_token(model, seq_length):
 # ----------------------------------------------------------------------------------------------
 
 def die_with_parent():
-    """torchrun starts every rank in a session of its own, so killing torchrun (kill -9, the
-    OOM killer) leaves the ranks training on as orphans, writing into the run directory next
-    to the run that resumes it. On Linux, ask the kernel to kill this process with its parent.
-    """
+    """Ask the kernel (Linux) to kill this rank with torchrun, whose ranks each run in a session
+    of their own: killed (kill -9, the OOM killer), it would leave them training on as orphans,
+    writing into the run directory next to the run that resumes it."""
     if sys.platform.startswith("linux"):
         parent = os.getppid()
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -1512,11 +1515,10 @@ def save_checkpoint(run, files, writer, keep, rank):
 
 
 class CheckpointReader:
-    """The files of the checkpoint a run resumes from: ``with CheckpointReader(run, ctx) as
-    ckpt:`` then ``ckpt.load(name)``, ``ckpt.path(name)``, ``ckpt.load_loader(loader)``,
-    ``ckpt.load_rng()``. A file that does not load ends the run in one paragraph that names it
-    and the older checkpoint to go on from; a file that loads but does not fit the model is
-    said to be that, never damage; a loader state of other data arguments names the flag."""
+    """The files of the checkpoint a run resumes from (``with CheckpointReader(run, ctx) as
+    ckpt:``). A file that does not load ends the run in one paragraph that names it and the
+    older checkpoint to go on from; a file that loads but does not fit the model is said to be
+    that, never damage; a loader state of other data arguments names the flag."""
 
     def __init__(self, run, ctx):
         self.run, self.ctx = run, ctx
@@ -1652,12 +1654,10 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
 
 
 class BackgroundWriter:
-    """Writes checkpoints off the training path: ``submit(write, files)`` stages ``files``
-    (torch's DefaultStager) and calls ``write(staged)`` in a thread (DESIGN.md section 3), one
-    write at a time (``submit`` first waits for the one before, whose buffers it reuses). A
-    write that fails is raised in the training thread at the next ``check()`` or ``wait()``.
-    ``sync=True``: no thread, no copies; ``submit`` writes the live objects before it returns.
-    """
+    """Writes checkpoints off the training path, one at a time (DESIGN.md section 3): ``submit``
+    stages ``files`` and calls ``write(staged)`` in a thread; a write that fails is raised in
+    the training thread at the next ``check()`` or ``wait()``. ``sync=True``: no thread, no
+    copies; ``submit`` writes the live objects before it returns."""
 
     def __init__(self, sync=False, pin_memory=False, group=None, log=print):
         # torch's stager keeps the CPU copies (pinned on CUDA) from one save to the next, keyed
