@@ -510,8 +510,17 @@ class MetricsLog:
 
     def rewrite_last(self, metrics):
         """The last step's line again, now with more in it (a late validation)."""
-        if self.file:
-            rewrite_last_line(self.file, json.dumps(metrics))
+        if self.file:  # (opened unbuffered: nothing to flush first)
+            with open(self.file.name, "rb+") as g:
+                size = g.seek(0, os.SEEK_END)
+                g.seek(max(0, size - (1 << 16)))
+                tail = g.read()
+                if b"\n" not in tail.rstrip(b"\n") and len(tail) < size:  # one line past 64 KiB
+                    g.seek(0)
+                    tail = g.read()
+                g.seek(size - len(tail) + tail.rstrip(b"\n").rfind(b"\n") + 1)
+                g.truncate()
+                g.write(json.dumps(metrics).encode() + b"\n")
         self.unsent[-1:] = [metrics]
         self.send()
         LOGGER.info(format_metrics(metrics))
@@ -716,8 +725,6 @@ def forget_failed_start():
 # ----------------------------------------------------------------------------------------------
 # Measuring: time, garbage collection, memory, MFU
 # ----------------------------------------------------------------------------------------------
-
-
 
 class Timer:
     """Adds up the time spent inside ``with timer:`` blocks: on a CPU wall time; on CUDA, whose
@@ -1782,19 +1789,3 @@ def discard_after(exp_dir, step, run_id=None):
                     continue
             kept += line + "\n"
         write_atomic(metrics, kept)
-
-
-def rewrite_last_line(f, line):
-    """Replace the last line of a text file open for appending (metrics.jsonl)."""
-    f.flush()
-    with open(f.name, "rb+") as g:
-        size = g.seek(0, os.SEEK_END)
-        g.seek(max(0, size - (1 << 16)))
-        tail = g.read()
-        if b"\n" not in tail.rstrip(b"\n") and len(tail) < size:  # one line past 64 KiB
-            g.seek(0)
-            tail = g.read()
-        start = size - len(tail) + tail.rstrip(b"\n").rfind(b"\n") + 1
-        g.seek(start)
-        g.truncate()
-        g.write(line.encode() + b"\n")
