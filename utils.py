@@ -1780,12 +1780,12 @@ def discard_after(exp_dir, step, run_id=None):
     if metrics.exists():
         lines = metrics.read_text(errors="replace").split("\n")
         lines.pop()  # "" after the last newline, or the torn line of a killed write
-        kept = ""
+        kept = []
         for line in lines:  # (a line that is no step's record, a note a user added, stays)
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
                 if isinstance(record, dict) and isinstance(record.get("step"), int) and \
                         record["step"] > step:
                     continue
-            kept += line + "\n"
-        write_atomic(metrics, kept)
+            kept.append(line + "\n")
+        write_atomic(metrics, "".join(kept))

@@ -56,9 +56,10 @@ def load_trained(kit, path, script=None, weights="model"):
                  "model's weights: pass --weights model, or the name of training state of "
                  "your own that holds weights (extra, e.g. ema)")
     ckpt_dir = kit.find_checkpoint(path)
-    if not (ckpt_dir / f"{weights}.pt").exists() and not (ckpt_dir / "dcp").is_dir():
-        sys.exit(f"{ckpt_dir} holds no weights named {weights!r} (no {weights}.pt)")
-    state = kit.checkpoint_weights(ckpt_dir, weights)
+    try:  # NAME.pt, or NAME's part of --fsdp's dcp/
+        state = kit.checkpoint_weights(ckpt_dir, weights)
+    except (FileNotFoundError, KeyError):
+        sys.exit(f"{ckpt_dir} holds no weights named {weights!r} (no {weights}.pt, nor in dcp/)")
     if "n_averaged" in state:
         state = {k.removeprefix("module."): v for k, v in state.items() if k != "n_averaged"}
     model.load_state_dict(state)

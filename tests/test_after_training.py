@@ -296,9 +296,14 @@ def test_generate_with_a_script_that_cannot_build_the_model_is_one_paragraph(fou
 
 def test_generate_with_weights_that_are_not_weights_says_so(four_steps):
     """--weights optimizer names a file of the run's that holds no model weights: said so,
-    not "put back the create_model" (nothing is wrong with it)."""
+    not "put back the create_model" (nothing is wrong with it); --weights of a state the run
+    never saved is said to be missing."""
     result = subprocess.run([sys.executable, "scripts/generate.py", str(four_steps),
                              "--prompt", "The", "--weights", "optimizer"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True)
     refused(result, "optimizer.pt is the optimizer state of the run, not a model's weights")
     assert "create_model" not in result.stderr
+    result = subprocess.run([sys.executable, "scripts/generate.py", str(four_steps),
+                             "--prompt", "The", "--weights", "ema"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True)
+    refused(result, "holds no weights named 'ema'")
