@@ -14,13 +14,15 @@ The file reads top to bottom in the order a sample meets the stages:
     Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
     Fine-tuning (SFT)       FormatInstructions, Pack, Pad
     Batching, prefetching   collate, Batch, Prefetch
-    Mixing domains          OnlineMixer, Mix
+    Mixing domains          OnlineMixer, learn_late, Mix
     Resharding              reshard: the states of W ranks loaded into one of W' ranks
     The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
-                            domain_weights, check_validation, skipped_records, source_epoch
-    Other stages            Map, Filter, Take, Stride, Chunk (train_llm.py uses only Take)
+                            parse_mix, domain_weights, check_validation, skipped_records,
+                            source_epoch
+    Other stages            Map, Filter, Take, Chunk (train_llm.py uses only Take)
 """
 
+import argparse
 import array
 import codecs
 import collections
@@ -1894,7 +1896,7 @@ class Prefetch(Stage):
 
 
 # ----------------------------------------------------------------------------------------------
-# Mixing domains: OnlineMixer, Mix
+# Mixing domains: OnlineMixer, learn_late, Mix
 # ----------------------------------------------------------------------------------------------
 
 class OnlineMixer:
@@ -1948,6 +1950,14 @@ class OnlineMixer:
             raise ValueError(f"OnlineMixer: the saved state was made with {state['config']}, "
                              f"this mixer has {self.config}")
         self.probabilities, self.rewards = list(state["probabilities"]), list(state["rewards"])
+
+
+def learn_late(mixer, held, step):
+    """A mixer learns from the losses ``held`` ([step, a loss or None per domain]) of the step
+    before ``step``: the trainer reads them a step late, after this step's samples were drawn.
+    Kept in the run state until then, they are learned at the same point after a resume."""
+    if mixer and held and held[0] == step - 1:
+        mixer.update({i: loss for i, loss in enumerate(held[1]) if loss is not None}, held[0])
 
 
 class Mix(Stage):
@@ -2022,7 +2032,7 @@ def reshard(pipeline, states):
     that the W ranks of an earlier run saved, in rank order: every document is trained on
     exactly once, only the order changes (DESIGN.md section 4). Each stage merges its own
     fields and asks its upstream in turn (Stage.reshard_state, Resharding.merge); one that
-    cannot (Take, Stride, Chunk, Sequence) is refused. Returns counts for the log."""
+    cannot (Take, Chunk, Sequence) is refused. Returns counts for the log."""
     files = pipeline
     while not isinstance(files, Files):  # (through a Mix: its first domain's)
         below = files.pipelines[0] if isinstance(files, Mix) else files.src
@@ -2152,6 +2162,35 @@ def find_domains(pattern, like=None):
     return {name: f"{root}/{glob.escape(name)}/{rest}" for name in names}
 
 
+def parse_mix(text):
+    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
+    weights = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        try:
+            weight = float(value) if equals and name else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
+        weights[name] = weight
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
+    return weights
+
+
+def mix_weights(text):
+    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint);
+    "natural" weighs each domain by its size, measured when the run starts (fresh_state)."""
+    if text != "natural":
+        parse_mix(text)
+    return text
+
+
 def natural_sizes(pattern):
     """{domain: bytes of its files, as stored} (--mix natural: what plain concatenation samples
     by; bytes are known without reading the data). Compressed beside plain shards: a warning."""
@@ -2238,7 +2277,7 @@ def source_epoch(loader_state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages outside the trainer's pipelines: Map, Filter, Take, Stride, Chunk
+# Stages outside the trainer's pipelines: Map, Filter, Take, Chunk
 # ----------------------------------------------------------------------------------------------
 
 class Map(Stage):
@@ -2281,30 +2320,6 @@ class Take(Stage):
     def load_state_dict(self, state):
         self._load(state)
         self.count = state["count"]
-
-
-class Stride(Stage):
-    """Samples ``offset, offset + interval, ...``: rank r of W takes Stride(src, r, W)."""
-
-    def __init__(self, src, offset, interval):
-        if not 0 <= offset < interval:
-            raise ValueError(f"need 0 <= offset < interval, got {offset}, {interval}")
-        self.src, self.offset, self.interval, self.index = src, offset, interval, 0
-        self.config = {"offset": offset, "interval": interval}
-
-    def __next__(self):
-        while True:
-            sample = next(self.src)
-            self.index += 1
-            if (self.index - 1) % self.interval == self.offset:
-                return sample
-
-    def state_dict(self):
-        return self._state(index=self.index)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.index = state["index"]
 
 
 class Chunk(Stage):

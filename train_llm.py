@@ -102,14 +102,17 @@ def main():
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
                                  tokenizer, args, utils.prompt_format(state["config"]), stop)
-    timers = {n: utils.Timer(ctx.device) for n in ("data", "forward", "backward", "update")}
-    gc_control = utils.GarbageCollection(args.gc_freq)
+    # Each step's numbers, summed over ranks on the GPU, are read a step later: no wait for it.
+    in_flight = utils.StepNumbers(ctx, run, train_loader, writer)  # (not finite: the run ends)
+    timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
-    last_log_step, metrics = state["global_step"], {}  # (the last step's metrics)
+    speed = utils.Throughput(timers, state["global_step"], tokens_per_step, flops_per_token, ctx)
+    gc_control = utils.GarbageCollection(args.gc_freq)
+    stopping = False
 
     model.train()
     with logging_redirect_tqdm():
-        while state["global_step"] < args.max_steps:
+        while state["global_step"] < args.max_steps and not stopping:
             step = state["global_step"] + 1
             writer.check()  # a background save that failed stops the run here
 
@@ -117,44 +120,42 @@ def main():
             with timers["data"]:  # next() by hand, so the wait for data is measured
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
             if not utils.data_left(batches, step, args, ctx, train_loader, tokenizer):
-                if metrics and "val_loss" not in metrics:  # validate the last step anyway
-                    log.rewrite_last(metrics | validate())
+                log_steps(in_flight.ready(wait=True), log, domains, state, args)
+                if log.last and "val_loss" not in log.last:  # validate the last step anyway
+                    log.rewrite_last(validate())
                 state["data_exhausted"] = True  # (--epochs): the run is done
                 save()
                 break
 
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
-            stats = train_step(model, batches, ctx, timers, losses, len(domains))
+            stats = train_step(model, batches, ctx, losses, len(domains))
             log_step = step % args.log_freq == 0 or step == args.max_steps
             stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
-            with timers["update"]:
-                stats["grad_norm"] = clip_gradients(model, args, ctx)
-                # One all-reduce, and one wait for the GPU, for all the step's numbers.
-                stats = utils.all_reduce_sum(stats, world_size)
-                utils.stop_if_diverged(stats, step, run, train_loader, writer)
-                lrs = update(optimizers, schedulers)  # the learning rates this step used
+            stats["grad_norm"] = clip_gradients(model, args, ctx)
+            lrs = update(optimizers, schedulers)  # the learning rates this step used
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
             utils.past_first_step(step, run, args, ctx)  # collectives then time out sooner
 
-            metrics = {"step": step, "loss": stats["loss"], **lrs,
-                       "grad_norm": stats["grad_norm"], "tokens_seen": state["tokens_seen"]}
-            if domains:
-                metrics |= mixing_metrics(stats, domains, probabilities, mixer, state, args)
-            if log_step:
-                tokens = (step - last_log_step) * tokens_per_step  # since the last log
-                metrics |= utils.speed_metrics(timers, stats, tokens, flops_per_token, ctx)
-                last_log_step = step
+            metrics = {"step": step, **lrs, "tokens_seen": state["tokens_seen"],
+                       **{f"mix/p_{name}": p for name, p in zip(domains, probabilities or ())}}
+            if log_step:  # tokens/s over the wall clock since the last log: everything counts
+                metrics |= speed.metrics(step)
             if step % args.val_freq == 0 or step == args.max_steps:
-                metrics |= validate()
-                stats["stop"] = stats["stop"] or metrics.pop("stopped", False)  # a signal in it
-            log.write(metrics)
-            if step % args.ckpt_freq == 0 or step == args.max_steps or stats["stop"]:
-                save()
+                with timers["validation"]:
+                    metrics |= validate()
+                stopping |= metrics.pop("stopped", False)  # a signal during validation
+            in_flight.add(stats, metrics)  # (its loss and gradient norm: still computing)
+            stopping |= log_steps(in_flight.ready(), log, domains, state, args)  # the step before
+            data.learn_late(mixer, state.get("domain_losses"), step)  # ODM: the step before's
+            if stopping or step % args.ckpt_freq == 0 or step == args.max_steps:
+                stopping |= log_steps(in_flight.ready(wait=True), log, domains, state, args)
+                with timers["checkpoint"]:
+                    log.flush()  # (the lines of the steps the checkpoint holds)
+                    save()
             gc_control.step(step)
-            if stats["stop"]:  # decided together, so all ranks saved and all leave here
-                LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
-                break
+        if stopping:  # decided together, so all ranks saved and all leave here
+            LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
 
     train_loader.close()
     writer.wait()  # the last checkpoint is complete before the run ends
@@ -248,6 +249,7 @@ def build_model(args, device):
         model = create_model(args)
     # Tokenizer and --seq-length against its embeddings; a model of your own against the flags.
     utils.check_model(model, tokenizer, args)
+    utils.skip_mask_checks(model)  # transformers' checks of each batch: each waits for the GPU
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.to(device)
@@ -326,7 +328,7 @@ def mixture(args, state):
     if not args.mix and args.odm == "off":
         return [], None, None
     domains = list(data.find_domains(args.dataset))
-    given = state["config"].get("mix_weights") or args.mix and utils.parse_mix(args.mix)
+    given = state["config"].get("mix_weights") or args.mix and data.parse_mix(args.mix)
     weights = data.domain_weights(domains, given or None)
     mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
                              warmup_steps=args.odm_warmup_steps) if args.odm != "off" else None
@@ -429,7 +431,7 @@ def save_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx
 
 # --- The training step ------------------------------------------------------------------------
 
-def train_step(model, batches, ctx, timers, losses, n_domains=0):
+def train_step(model, batches, ctx, losses, n_domains=0):
     """Forward and backward over one step's micro-batches, whose gradients add up.
 
     The gradient is that of the step's mean loss per scored token over all micro-batches and
@@ -449,15 +451,14 @@ def train_step(model, batches, ctx, timers, losses, n_domains=0):
     for i, batch in enumerate(batches):
         # Gradients are averaged across ranks once per step, in the last backward.
         with utils.gradient_sync(model, enabled=i == len(batches) - 1):
-            with timers["forward"], ctx.autocast():
+            with ctx.autocast():
                 logits, targets = forward(model, batch, ctx.device)
                 sums, counts = losses(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
             # The logits ([batch, seq, vocab], the largest activation) are needed only by the
             # loss's backward, which runs first: without our reference they go right after.
             del logits
-            with timers["backward"]:
-                loss.backward()
+            loss.backward()
         stats["loss"] += loss.detach() / ctx.world_size
         if n_domains:
             index = batch["domain"].to(ctx.device, non_blocking=True)  # a copy, no wait
@@ -503,13 +504,15 @@ def next_token_targets(targets):
 def forward(model, batch, device):
     """The logits of a batch and the token ids they are scored against: every token, or with
     --task sft the ``labels`` (prompt and padding -100). Packed samples bring ``position_ids``
-    that restart at each; transformers then masks attention per sample, but only without a KV
-    cache (use_cache=False). For a model that ignores them, use data.Pad instead of data.Pack."""
+    that restart at each, and attend within themselves (no KV cache: use_cache=False). For a
+    model that ignores them, use data.Pad instead of data.Pack."""
     # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     positions = batch.get("position_ids")
     positions = positions.to(device, non_blocking=True) if positions is not None else None
-    logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    mask = utils.packed_mask(model, positions)  # (built on the device: utils.skip_mask_checks)
+    logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                   use_cache=False).logits
     return logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
                     else input_ids)
 
@@ -527,22 +530,26 @@ def sequence_losses(logits, targets, label_smoothing=0.0):
 
 # --- Metrics and validation -------------------------------------------------------------------
 
-def mixing_metrics(stats, domains, probabilities, mixer, state, args):
-    """With domains: feed the step's per-domain losses (all ranks) to the mixer, count each
-    domain's tokens in the run state, and return the mixture's numbers for the log."""
-    losses = {i: stats["domain_loss"][i] / stats["domain_tokens"][i]
-              for i in range(len(domains)) if stats["domain_tokens"][i]}
-    if mixer:
-        mixer.update(losses, state["global_step"])
-    metrics = {}
-    for i, name in enumerate(domains):
-        tokens = int(stats["domain_sequences"][i]) * args.seq_length
-        state["domain_tokens"][name] = state["domain_tokens"].get(name, 0) + tokens
-        metrics[f"mix/p_{name}"] = probabilities[i]
-        metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name]
-        if i in losses:
-            metrics[f"mix/loss_{name}"] = losses[i]
-    return metrics
+def log_steps(steps, log, domains, state, args):
+    """Each step read (StepNumbers.ready, numbers summed over ranks) as its metrics line: loss,
+    gradient norm, records skipped (log steps), each domain's loss and tokens; any signal?"""
+    stop = False
+    for numbers, metrics in steps:
+        metrics = {"step": metrics["step"], "loss": numbers["loss"],
+                   "grad_norm": numbers["grad_norm"]} | metrics
+        if "skipped" in numbers:
+            metrics["data/skipped"] = int(numbers["skipped"])
+        losses = [total / n if n else None for total, n in
+                  zip(numbers.get("domain_loss", ()), numbers.get("domain_tokens", ()))]
+        for name, loss, sequences in zip(domains, losses, numbers.get("domain_sequences", ())):
+            tokens = state["domain_tokens"].get(name, 0) + int(sequences) * args.seq_length
+            metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name] = tokens
+            if loss is not None:
+                metrics[f"mix/loss_{name}"] = loss
+        state["domain_losses"] = [metrics["step"], losses]  # for ODM after the next step
+        log.write(metrics)
+        stop = stop or numbers["stop"] > 0
+    return stop
 
 
 def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format, stop):
@@ -679,7 +686,7 @@ def get_parser():
         help="seconds a collective may wait for the other ranks after the first step")
 
     add = parser.add_argument_group("mixing domains").add_argument
-    add("--mix", default=None, metavar="NAME=W,...", type=utils.mix_weights,
+    add("--mix", default=None, metavar="NAME=W,...", type=data.mix_weights,
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights (e.g. code=0.4,prose=0.6), or natural: by the bytes of their files")
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",

@@ -64,6 +64,7 @@ LOG_FORMAT = "[%(asctime)s] [rank={rank}] %(levelname)s: %(message)s"
 FILE_LOG = logging.getLogger("train_llm.file")
 FILE_LOG.propagate = False
 FILE_LOG.addHandler(logging.NullHandler())
+UNMASKED_SDPA = "sdpa_unmasked"  # transformers' SDPA, no mask made for it (skip_mask_checks)
 RUN = None  # the Run this process opened: what cli() tells, or cleans up, when a start fails
 
 
@@ -108,35 +109,6 @@ def torch_device(text):
     if value.type == "cuda" and (value.index or 0) >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
                                          "GPU(s)")
-    return text
-
-
-def parse_mix(text):
-    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
-    weights = {}
-    for item in text.split(","):
-        name, equals, value = item.partition("=")
-        try:
-            weight = float(value) if equals and name else None
-        except ValueError:
-            weight = None
-        if weight is None:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
-        if name in weights:
-            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
-        weights[name] = weight
-    if not any(weights.values()):
-        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
-    return weights
-
-
-def mix_weights(text):
-    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint);
-    "natural" weighs each domain by its size, measured when the run starts (fresh_state)."""
-    if text != "natural":
-        parse_mix(text)
     return text
 
 
@@ -467,7 +439,7 @@ class MetricsLog:
     def __init__(self, exp_dir, args, state, rank):
         # Opened at the first line, once begin_training has set an old file aside.
         self.path, self.file = exp_dir / "metrics.jsonl" if rank == 0 else None, None
-        self.wandb, self.unsent = None, []
+        self.wandb, self.unsent, self.lines, self.last = None, [], [], None
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
@@ -477,27 +449,36 @@ class MetricsLog:
                                                     exp_dir).id
             except OSError as e:
                 sys.exit(f"{e} Nothing was changed.")
-            atexit.register(self.send)  # a run that dies (diverged, bad data) sends the rest
+        atexit.register(self.flush)  # a run that dies (diverged, bad data) writes the rest
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
-                                  desc="train", disable=rank != 0)
+                                  desc="train", disable=rank != 0, mininterval=0.5)
 
     def write(self, metrics):
-        if self.path:  # unbuffered, so that a failed write (a full disk) is cut off at once
+        """A step's line, kept until flush(): at each log line and before each checkpoint."""
+        self.lines.append(json.dumps(metrics) + "\n")
+        self.unsent.append(metrics)
+        self.last = metrics
+        if "tokens_per_s" in metrics or "val_loss" in metrics:
+            self.flush()
+            LOGGER.info(format_metrics(metrics))
+        self.progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        self.progress.update(1)  # (redrawn at most twice a second: mininterval)
+
+    def flush(self):
+        """The lines kept so far to metrics.jsonl and the metrics to wandb."""
+        lines, self.lines = self.lines, []  # (tried once, even at exit)
+        if self.path and lines:
             self.file = self.file or open(self.path, "ab", buffering=0)
-            line, size = (json.dumps(metrics) + "\n").encode(), self.file.tell()
+            data, size = "".join(lines).encode(), os.fstat(self.file.fileno()).st_size
+            self.last_at = size + len(data) - len(lines[-1].encode())  # (for rewrite_last)
             try:
-                while line:
-                    line = line[self.file.write(line):]
+                while data:
+                    data = data[self.file.write(data):]
             except OSError as e:  # no torn line stays behind; the failure is one paragraph
                 with contextlib.suppress(OSError):
                     os.truncate(self.file.name, size)
                 raise write_failure(self.file.name, e) from e
-        self.unsent.append(metrics)
-        if "tokens_per_s" in metrics or "val_loss" in metrics:
-            self.send()
-            LOGGER.info(format_metrics(metrics))
-        self.progress.update(1)
-        self.progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+        self.send()
 
     def send(self):
         """Every step's metrics to wandb, a log interval's at a time: each wandb.log waits for
@@ -508,25 +489,18 @@ class MetricsLog:
                            step=metrics["step"])
         self.unsent = []
 
-    def rewrite_last(self, metrics):
-        """The last step's line again, now with more in it (a late validation)."""
-        if self.file:  # (opened unbuffered: nothing to flush first)
-            with open(self.file.name, "rb+") as g:
-                size = g.seek(0, os.SEEK_END)
-                g.seek(max(0, size - (1 << 16)))
-                tail = g.read()
-                if b"\n" not in tail.rstrip(b"\n") and len(tail) < size:  # one line past 64 KiB
-                    g.seek(0)
-                    tail = g.read()
-                g.seek(size - len(tail) + tail.rstrip(b"\n").rfind(b"\n") + 1)
-                g.truncate()
-                g.write(json.dumps(metrics).encode() + b"\n")
-        self.unsent[-1:] = [metrics]
-        self.send()
-        LOGGER.info(format_metrics(metrics))
+    def rewrite_last(self, more):
+        """The last step's line again, now with ``more`` in it (a late validation)."""
+        self.last = self.last | more
+        if not self.lines and self.file:  # written: cut off, to be written again
+            os.truncate(self.file.name, self.last_at)
+        self.lines[-1:] = [json.dumps(self.last) + "\n"]
+        self.unsent[-1:] = [self.last]
+        self.flush()
+        LOGGER.info(format_metrics(self.last))
 
     def close(self):
-        self.send()
+        self.flush()
         self.progress.close()
         if self.file:
             self.file.close()
@@ -608,10 +582,10 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
     return True
 
 
-def stop_if_diverged(stats, step, run, loader, writer):
+def stop_if_diverged(numbers, step, run, loader, writer):
     """End the run, without a checkpoint, at a loss or gradient norm that is not finite: the
-    weights are about to be garbage, and the last good checkpoint stays the one to go on from."""
-    loss, grad_norm = stats["loss"], stats["grad_norm"]
+    weights are garbage, and the last good checkpoint stays the one to go on from."""
+    loss, grad_norm = numbers["loss"], numbers["grad_norm"]
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
     loader.close()
@@ -619,7 +593,7 @@ def stop_if_diverged(stats, step, run, loader, writer):
     last = max(_step_dirs(run.dir, complete=True).items(), default=(0, None))[1]
     last = f"the last good one is checkpoints/{last.name}" if last else "none was saved yet"
     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
-             f"checkpoint (the weights are about to be garbage); {last}. Lower --lr or raise "
+             f"checkpoint (the weights are garbage now); {last}. Lower --lr or raise "
              "--warmup-steps.")
 
 
@@ -727,46 +701,19 @@ def forget_failed_start():
 # ----------------------------------------------------------------------------------------------
 
 class Timer:
-    """Adds up the time spent inside ``with timer:`` blocks: on a CPU wall time; on CUDA, whose
-    kernels run asynchronously, the GPU's time between two events, read once per log interval
-    (a synchronize per block would stop the CPU from running ahead). A block that only waits on
-    the CPU (the data fetch) then measures how long the GPU stood idle for it."""
+    """Adds up the wall-clock seconds that the training thread spends in ``with timer:``."""
 
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.total, self.pairs = 0.0, []  # CUDA: (start, end) events not yet added up
+    def __init__(self):
+        self.total = 0.0
 
     def __enter__(self):
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.start = time.perf_counter()
+        self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pairs.append((self.start, end))
-            if len(self.pairs) > 1000:  # a long log interval: add up the finished ones
-                self._add_up(wait=False)
-        else:
-            self.total += time.perf_counter() - self.start
-
-    def _add_up(self, wait=True):
-        """Add the timed pairs to the total: all of them (waiting for the GPU to get there), or
-        without waiting, those it has finished (on one stream they finish in order)."""
-        if wait and self.pairs:
-            self.pairs[-1][1].synchronize()
-        n = 0
-        while n < len(self.pairs) and self.pairs[n][1].query():
-            n += 1
-        self.total += sum(start.elapsed_time(end) for start, end in self.pairs[:n]) / 1000
-        del self.pairs[:n]
+        self.total += time.perf_counter() - self.start
 
     def pop(self):
         """Seconds accumulated since the last pop()."""
-        self._add_up()
         total, self.total = self.total, 0.0
         return total
 
@@ -804,17 +751,25 @@ def keep_freed_memory():
         mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap's free top
 
 
-def speed_metrics(timers, stats, tokens, flops_per_token, ctx):
-    """For the log: throughput since the last call (``tokens`` by all ranks; ``timers`` of
-    train_llm.py's step), the share of it waiting for data, MFU (per GPU; None without a known
-    peak), memory, bad records skipped (``stats``, summed over ranks)."""
-    seconds = {name: timer.pop() for name, timer in timers.items()}
-    tokens_per_s = tokens / sum(seconds.values())  # all ranks together
-    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-    mfu = flops_per_token * tokens_per_s / ctx.world_size / peak if peak else None
-    return {"tokens_per_s": tokens_per_s, "data_wait": seconds["data"] / sum(seconds.values()),
-            "mfu": mfu, **memory_stats(ctx.device), "data/skipped": int(stats["skipped"])}
+class Throughput:
+    """tokens/s and MFU (per GPU; None without a known peak) over the wall clock since the last
+    call, all of it (as nanoGPT and torchtitan count), the share of it spent waiting for data,
+    the seconds of the other ``timers`` (validation, checkpoints), and memory."""
+
+    def __init__(self, timers, step, tokens_per_step, flops_per_token, ctx):
+        name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
+        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+        self.most = peak and peak * ctx.world_size / flops_per_token  # tokens/s at 100% MFU
+        self.timers, self.tokens_per_step, self.device = timers, tokens_per_step, ctx.device
+        self.step, self.start = step, time.perf_counter()
+
+    def metrics(self, step):
+        now, spent = time.perf_counter(), {name: t.pop() for name, t in self.timers.items()}
+        seconds, tokens = now - self.start, (step - self.step) * self.tokens_per_step
+        self.step, self.start = step, now
+        return {"tokens_per_s": tokens / seconds, "data_wait": spent.pop("data") / seconds,
+                "mfu": tokens / seconds / self.most if self.most else None,
+                **{f"time/{k}_s": v for k, v in spent.items()}, **memory_stats(self.device)}
 
 
 def memory_stats(device):
@@ -862,7 +817,8 @@ def format_metrics(m):
     if "tokens_per_s" in m:
         memory = " ".join(f"{k[4:]} {v:.3g}" for k, v in m.items() if k.startswith("mem/"))
         mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a"
-        line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}"
+        spent = "".join(f" | {k[5:-2]} {v:.2f} s" for k, v in m.items() if k[:5] == "time/" and v)
+        line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}{spent}"
                  f" | MFU {mfu} | {memory}")
     if "sample" in m:
         line += f" | sample {m['sample']!r}"
@@ -943,17 +899,40 @@ def any_rank(flag, ctx):
     return not all_ranks(not flag, ctx.cpu_group) if ctx.distributed else bool(flag)
 
 
-def all_reduce_sum(stats, world_size):
-    """{name: tensor} -> {name: number, or list for a vector}, each summed over all ranks in a
-    single all-reduce (one collective, however many numbers a step logs)."""
-    flat = torch.cat([value.detach().float().reshape(-1) for value in stats.values()])
-    if world_size > 1:
-        torch.distributed.all_reduce(flat)
-    values, out = iter(flat.tolist()), {}
-    for name, value in stats.items():
-        numbers = [next(values) for _ in range(value.numel())]
-        out[name] = numbers if value.dim() else numbers[0]
-    return out
+class StepNumbers:
+    """The numbers of the steps in flight ({name: tensor} each), summed over the ranks in one
+    all-reduce on the device and copied to the host behind the step's queued work; read a step
+    later, when the GPU has long finished them, so an ordinary step never waits for the GPU
+    (DESIGN.md section 7). A checkpoint reads its own step's first (``ready(wait=True)``)."""
+
+    def __init__(self, ctx, run, loader, writer):
+        self.world_size, self.cuda, self.queue = ctx.world_size, ctx.device.type == "cuda", []
+        self.run, self.loader, self.writer = run, loader, writer  # (for stop_if_diverged)
+
+    def add(self, stats, metrics):
+        """A step's ``stats``, and the ``metrics`` they go with, once its work is queued."""
+        flat = torch.cat([value.detach().float().reshape(-1) for value in stats.values()])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(flat)
+        done = torch.cuda.Event() if self.cuda else None
+        host = flat.to("cpu", non_blocking=True)  # from a GPU: into pinned memory, no wait
+        if done:
+            done.record()
+        self.queue.append((host, done, {k: v.shape for k, v in stats.items()}, metrics))
+
+    def ready(self, wait=False):
+        """[(numbers, metrics)] of every step but the newest (its numbers may be computing
+        still), or of all if ``wait``, oldest first; a vector's numbers are a list. A loss or
+        gradient norm that is not finite ends the run here, before any checkpoint of it."""
+        steps, self.queue = (self.queue, []) if wait else (self.queue[:-1], self.queue[-1:])
+        for host, done, shapes, metrics in steps:
+            if done:
+                done.synchronize()  # (a step late: long done, unless the host is far ahead)
+            parts = host.split([shape.numel() for shape in shapes.values()])
+            numbers = {name: part.view(shape).tolist()
+                       for (name, shape), part in zip(shapes.items(), parts)}
+            stop_if_diverged(numbers, metrics["step"], self.run, self.loader, self.writer)
+            yield numbers, metrics
 
 
 def plain_tensor(tensor):
@@ -1069,6 +1048,36 @@ def check_model(model, tokenizer, args):
         sys.exit("--activation-checkpointing uses transformers' activation_checkpointing_enable"
                  f", which {type(model).__name__} (create_model) has not: wrap its blocks in "
                  "torch.utils.checkpoint.checkpoint instead, or leave the flag out.")
+
+
+def skip_mask_checks(model):
+    """transformers' models read the GPU twice a forward (the host waits): is the pad token in
+    input_ids (a warning), are the position_ids packed. The kit knows: its batches hold no
+    padding to mask, and bring position_ids exactly when packed (forward passes packed_mask).
+    So a model on SDPA with a plain causal mask runs that SDPA under a name no mask is made
+    for, and names no pad token. Other models (a sliding window, say) keep their checks."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "layer_types", None) or (
+        ["sliding_attention"] if getattr(config, "sliding_window", None) else ["full_attention"])
+    if getattr(config, "_attn_implementation", None) != "sdpa" or set(layers) != {
+            "full_attention"} or not getattr(config, "is_causal", True):
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as ATTENTION
+    ATTENTION.register(UNMASKED_SDPA, ATTENTION["sdpa"])
+    model.set_attn_implementation(UNMASKED_SDPA)
+    config.pad_token_id = None
+
+
+def packed_mask(model, positions):
+    """For a model that skip_mask_checks switched, packed samples' attention mask (a token sees
+    its own sample's earlier tokens, as transformers makes it), made on the device; else None."""
+    config = getattr(unwrap(model), "config", None)
+    if positions is None or getattr(config, "_attn_implementation", None) != UNMASKED_SDPA:
+        return None
+    sample = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool,
+                        device=positions.device).tril()
+    return (sample[:, None, :, None] == sample[:, None, None, :]) & causal
 
 
 def _local(value):

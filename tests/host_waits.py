@@ -14,8 +14,11 @@ value" be told from any other, so this script tells them apart by where a tensor
 
 It counts, with the optimizer step it happened in, every *read* of a device tensor and every
 *blocking upload* (a tensor made on a device from Python data; ``.to(device)`` of a host
-tensor without non_blocking=True). Step k is everything from the fetch of its first
-micro-batch to the fetch of step k + 1's.
+tensor without non_blocking=True). A *download* (``.to("cpu", non_blocking=True)`` of a
+device tensor: into pinned memory, behind the GPU's queued work) is no wait, and neither is
+reading it in a later step (the GPU has long got there); reading it in the step that made it
+is counted as a read. Step k is everything from the fetch of its first micro-batch to the
+fetch of step k + 1's.
 
     HOST_WAITS_OUT=waits.json python tests/host_waits.py train_llm.py --experiment-name ...
 
@@ -50,7 +53,8 @@ class HostWaits(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.host = {}  # id -> weakref of the host tensors (a WeakSet would compare tensors)
-        self.fetches, self.events, self.seen = 0, [], set()
+        self.downloads = {}  # id -> (weakref, the step it was made in)
+        self.fetches, self.events, self.seen, self.grad_accum = 0, [], set(), 1
 
     def is_host(self, t):
         ref = self.host.get(id(t))
@@ -58,6 +62,17 @@ class HostWaits(TorchFunctionMode):
 
     def mark_host(self, t):
         self.host[id(t)] = weakref.ref(t)
+
+    def step(self):
+        return (self.fetches - 1) // self.grad_accum
+
+    def is_download(self, t):
+        ref, _ = self.downloads.get(id(t), (None, None))
+        return ref is not None and ref() is t
+
+    def downloaded_now(self, t):
+        """Whether ``t`` is a download made in this very step (not yet on the host)."""
+        return self.is_download(t) and self.downloads[id(t)][1] == self.step()
 
     def record(self, kind, op):
         stack = traceback.extract_stack()[:-2]
@@ -78,20 +93,28 @@ class HostWaits(TorchFunctionMode):
         target = kwargs.get("device")
         if name in MOVES and target is None:
             target = next((a for a in args[1:] if isinstance(a, (torch.device, str))), None)
-        to_host = name in READS or (name in MOVES and target == "cpu")
+        non_blocking = kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True)
+        download = name in MOVES and target == "cpu" and non_blocking and any(on_device)
+        to_host = name in READS or (name in MOVES and target == "cpu" and not download)
         made_on_device = target is not None and target != "cpu"  # "cpu" by name: the host
         upload = name in MOVES and made_on_device and tensors and not on_device[0]
-        if to_host and any(on_device):
+        if to_host and (any(on_device) or any(map(self.downloaded_now, tensors))):
             self.record("read", name)
         elif name.endswith("_") and tensors and not on_device[0] and any(on_device[1:]):
             self.record("read", name)  # host_tensor.copy_(device_tensor): a download
-        non_blocking = kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True)
         if (upload and not non_blocking) or (name in FROM_DATA and made_on_device
                                              and not tensors):
             self.record("upload", name)
         out = func(*args, **kwargs)
-        if upload and out is tensors[0]:  # .to() of the device it is on returns the tensor
+        if (upload or download) and out is tensors[0]:  # .to() of its own device: the tensor
             out = out.view_as(out)
+        # A download, and what is made of one (a part of it), arrive with the download.
+        made = [self.step()] if download else [self.downloads[id(t)][1] for t in tensors
+                                               if self.is_download(t)]
+        for t in tree_leaves(out) if made else ():
+            if isinstance(t, torch.Tensor):
+                self.mark_host(t)
+                self.downloads[id(t)] = (weakref.ref(t), min(made))
         if not any(on_device) and not made_on_device:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -127,6 +150,7 @@ def main():
     train_llm.build_pipeline = counted
     sys.argv = sys.argv[1:]
     grad_accum = int(next(a.split("=")[1] for a in sys.argv if a.startswith("--grad-accum=")))
+    mode.grad_accum = grad_accum
     try:
         with mode:
             train_llm.main()

@@ -30,7 +30,6 @@ from data import (
     Prefetch,
     Sequence,
     Shuffle,
-    Stride,
     Take,
     Tokenize,
     expand_urls,
@@ -143,15 +142,11 @@ def test_sequence():
     assert next(seq) == {"text": "a"}, "later stages must not change the next epoch's items"
 
 
-def test_map_filter_take_stride():
+def test_map_filter_take():
     assert list(Map(Sequence(range(4)), lambda x: x * 10)) == [0, 10, 20, 30]
     assert list(Filter(Sequence(range(6)), lambda x: x % 2)) == [1, 3, 5]
     assert list(Take(Sequence(range(6)), 2)) == [0, 1]
     assert list(Take(Sequence(range(1)), 5)) == [0]
-    assert list(Stride(Sequence(range(7)), 1, 3)) == [1, 4]
-    assert list(Stride(Sequence(range(7)), 0, 3)) == [0, 3, 6]
-    with pytest.raises(ValueError):
-        Stride(Sequence([]), 3, 3)
 
 
 # -- Tokenize and EnsureBosEos ---------------------------------------------------------------------

@@ -115,13 +115,14 @@ def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_pat
     args = train_llm.parse_args(["-e", "x", "--wandb", "disabled"])
     log = utils.MetricsLog(tmp_path, args, {"global_step": 0, "wandb_run_id": None}, rank=0)
     log.write({"step": 1, "loss": 1.0, "lr": 0.1})
+    log.flush()  # (lines are kept until a log line or a checkpoint)
     real = log.file
 
     class FullDisk:  # writes half a line, then fails as a full disk does
         name = real.name
 
-        def tell(self):
-            return real.tell()
+        def fileno(self):
+            return real.fileno()
 
         def write(self, data):
             real.write(data[:len(data) // 2])
@@ -130,6 +131,7 @@ def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_pat
     log.file = FullDisk()
     with pytest.raises(OSError, match="metrics.jsonl failed .* GiB free on that disk: free"):
         log.write({"step": 2, "loss": 1.0, "lr": 0.1})
+        log.flush()
     log.file = real
     log.close()
     assert [json.loads(line)["step"] for line in

@@ -39,7 +39,6 @@ from data import (
     Sequence,
     Shuffle,
     SplitError,
-    Stride,
     Take,
     Tokenize,
 )
@@ -81,7 +80,6 @@ pipelines = st.fixed_dictionaries({
     "repeat": st.booleans(),
     "epochs": st.none() | st.integers(1, 3),
     "shuffle_shards": st.booleans(),
-    "stride": st.none() | st.tuples(st.integers(0, 2), st.integers(1, 3)),
     "filter": st.booleans(),
     "threads": st.integers(1, 3),
     "tok_batch": st.integers(1, 6),
@@ -105,9 +103,6 @@ def build(urls, p):
     rank, world = rank_of(p)
     pipe = Files(urls, repeat=p["repeat"], epochs=p["epochs"], shuffle_shards=p["shuffle_shards"],
                  seed=p["seed"], n_active_shards=p["active"], rank=rank, world_size=world)
-    if p["stride"]:
-        offset, interval = p["stride"]
-        pipe = Stride(pipe, offset % interval, interval)
     if p["filter"]:
         pipe = Filter(pipe, lambda s: not s["text"].startswith("a"))
     pipe = Tokenize(pipe, TOKENIZER, num_threads=p["threads"], batch_size=p["tok_batch"])
@@ -131,15 +126,14 @@ def build(urls, p):
 
 
 def yields_something(urls, p):
-    """Does one pass over the shards hold a document that survives the filter and Chunk?
-    (With a stride only some documents are seen, so then every one of them must survive.)"""
+    """Does one pass over the shards hold a document that survives the filter and Chunk?"""
     def survives(record):
         if p["filter"] and record["text"].startswith("a"):
             return False
         return p["chunk"] != "chunk" or len(record["text"].split()) + 2 >= p["length"]
 
     records = list(Files(urls))
-    return all(map(survives, records)) if p["stride"] else any(map(survives, records))
+    return any(map(survives, records))
 
 
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -190,7 +184,8 @@ def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
        slots_per_rank=st.integers(1, 2), shuffle=st.booleans(), seed=st.integers(0, 3),
        cuts=st.lists(st.integers(0, 30), max_size=2))
 def test_ranks_read_only_their_slots(sizes, world, slots_per_rank, shuffle, seed, cuts):
-    """Files(rank=r, world_size=W) == Stride(Files(), r, W): no rank reads another's splits."""
+    """Files(rank=r, world_size=W) reads every W-th record of Files(), from r: no rank reads
+    another's splits."""
     with tempfile.TemporaryDirectory() as d:
         urls = write_shards(d, sizes, [".jsonl"] * len(sizes), seed)
         args = dict(repeat=True, shuffle_shards=shuffle, seed=seed,

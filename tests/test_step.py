@@ -2,6 +2,7 @@
 packed samples that do not see each other, and a loss that equals cross-entropy without
 float32 copies of all the logits."""
 
+import math
 import os
 import socket
 import time
@@ -43,8 +44,7 @@ def one_step(model, batch, rows, micro, ctx):
     weights after it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [{k: v[i:i + micro] for k, v in batch.items()} for i in range(*rows, micro)]
-    timers = {name: utils.Timer(ctx.device) for name in ("forward", "backward")}
-    stats = train_llm.train_step(model, batches, ctx, timers, train_llm.sequence_losses)
+    stats = train_llm.train_step(model, batches, ctx, train_llm.sequence_losses)
     optimizer.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()]), stats["loss"]
 
@@ -62,7 +62,10 @@ def ddp_rank(rank, port, out):
     model = torch.nn.parallel.DistributedDataParallel(small_model())
     ctx = train_llm.Context(rank, 2, torch.device("cpu"), True)
     weights, loss = one_step(model, sft_batch(), (4 * rank, 4 * rank + 4), 4, ctx)
-    loss = utils.all_reduce_sum({"loss": loss}, 2)["loss"]
+    numbers = utils.StepNumbers(ctx, run=None, loader=None, writer=None)
+    numbers.add({"loss": loss, "grad_norm": torch.tensor(0.0)}, {"step": 1})
+    [(numbers, _)] = numbers.ready(wait=True)  # summed over the two ranks
+    loss = numbers["loss"]
     if rank == 0:
         torch.save({"weights": weights, "loss": loss}, out)
     dist.barrier()
@@ -148,38 +151,47 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
-def test_the_cuda_timer_adds_up_event_pairs(monkeypatch):
-    """The CUDA path of utils.Timer, with stand-in events on a fake GPU clock: each block
-    counts from its start event to its end event (the time between blocks is not counted),
-    and pop() waits for the GPU to finish the rest."""
-    clock = {"now": 0.0, "done": 0.0}  # ms: when each event is recorded; how far the GPU is
+def test_logged_throughput_is_the_wall_clock_between_log_steps(monkeypatch):
+    """tokens/s and the data wait are over all the time between two log lines (validation and
+    checkpoints included, and said beside them), as nanoGPT's and torchtitan's are."""
+    clock = {"now": 100.0}
+    monkeypatch.setattr(utils.time, "perf_counter", lambda: clock["now"])
+    timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
+    ctx = train_llm.Context(0, 2, torch.device("cpu"), True)
+    speed = utils.Throughput(timers, 10, tokens_per_step=1000, flops_per_token=6, ctx=ctx)
+    for seconds, timer in ((0.5, "data"), (3.0, "validation"), (1.5, "checkpoint")):
+        with timers[timer]:
+            clock["now"] += seconds
+    clock["now"] += 5.0  # the steps themselves
+    metrics = speed.metrics(step=20)
+    assert metrics["tokens_per_s"] == pytest.approx(10 * 1000 / 10.0)
+    assert metrics["data_wait"] == pytest.approx(0.05)
+    assert metrics["time/validation_s"] == 3.0 and metrics["time/checkpoint_s"] == 1.5
+    clock["now"] += 2.0
+    metrics = speed.metrics(step=25)  # from the last call on, timers emptied
+    assert metrics["tokens_per_s"] == pytest.approx(5 * 1000 / 2.0) and metrics["data_wait"] == 0
 
-    class Event:
-        def __init__(self, enable_timing):
-            assert enable_timing
 
-        def record(self):
-            self.at = clock["now"]
-
-        def query(self):
-            return self.at <= clock["done"]
-
-        def synchronize(self):
-            clock["done"] = max(clock["done"], self.at)
-
-        def elapsed_time(self, end):
-            assert end.query()
-            return end.at - self.at
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    timer = utils.Timer(torch.device("cuda"))
-    for _ in range(1500):
-        with timer:
-            clock["now"] += 2.0
-        clock["now"] += 1.0  # between blocks: not counted
-        clock["done"] = clock["now"] - 100  # the GPU runs behind
-    assert timer.pop() == pytest.approx(1500 * 2.0 / 1000) and timer.pairs == []
-    assert timer.pop() == 0.0
+def test_step_numbers_are_read_a_step_late_and_a_checkpoint_reads_its_own(tmp_path):
+    """StepNumbers hands back every step but the newest (whose numbers the GPU may still be
+    computing), all of them when asked to wait, oldest first; a non-finite loss ends the run
+    when it is read, before any checkpoint of it."""
+    ctx = train_llm.Context(0, 1, torch.device("cpu"), False)
+    run = type("Run", (), {"dir": tmp_path})()
+    writer = utils.BackgroundWriter(sync=True)
+    loader = type("Loader", (), {"close": lambda self: None})()
+    numbers = utils.StepNumbers(ctx, run, loader, writer)
+    for step in (1, 2, 3):
+        numbers.add({"loss": torch.tensor(float(step)), "grad_norm": torch.tensor(1.0),
+                     "domain_loss": torch.tensor([step, 2.0 * step])}, {"step": step})
+    assert [(n["loss"], m["step"]) for n, m in numbers.ready()] == [(1.0, 1), (2.0, 2)]
+    assert list(numbers.ready()) == []
+    [(last, metrics)] = numbers.ready(wait=True)
+    assert metrics == {"step": 3} and last["domain_loss"] == [3.0, 6.0]
+    numbers.add({"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(1.0)}, {"step": 4})
+    numbers.add({"loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0)}, {"step": 5})
+    with pytest.raises(SystemExit, match="Step 4: loss nan"):
+        list(numbers.ready())
 
 
 def test_label_smoothing_is_the_training_losss_alone():
