@@ -151,6 +151,36 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+def test_skipping_the_mask_checks_leaves_the_logits_as_they_were():
+    """utils.skip_mask_checks (no read of the GPU in a forward): through the trainer's forward,
+    the logits of a plain batch holding the pad token and of a packed batch (padding at its
+    end) are transformers' own to the bit, gradients too. A model with a sliding window keeps
+    transformers' masks."""
+    plain, kit = small_model(), small_model()
+    utils.skip_mask_checks(kit)
+    assert kit.config._attn_implementation == utils.UNMASKED_SDPA
+    assert plain.config._attn_implementation == "sdpa" and plain.config.pad_token_id is not None
+    ids = torch.randint(3, 8192, (3, 24))
+    ids[:, -1] = plain.config.pad_token_id
+    packed = {"input_ids": ids,
+              "position_ids": torch.cat([torch.arange(7), torch.arange(13), torch.zeros(4,
+                                         dtype=torch.long)]).repeat(3, 1)}
+    for batch in ({"input_ids": ids}, packed):
+        logits = [train_llm.forward(model, batch, "cpu")[0] for model in (kit, plain)]
+        assert torch.equal(logits[0], logits[1])
+        for model, out in zip((kit, plain), logits):
+            out.square().mean().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(kit.parameters(),
+                                                               plain.parameters()))
+        kit.zero_grad(), plain.zero_grad()
+    config = AutoConfig.for_model("mistral", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, sliding_window=4)
+    windowed = AutoModelForCausalLM.from_config(config)
+    utils.skip_mask_checks(windowed)
+    assert windowed.config._attn_implementation == "sdpa"
+
+
 def test_logged_throughput_is_the_wall_clock_between_log_steps(monkeypatch):
     """tokens/s and the data wait are over all the time between two log lines (validation and
     checkpoints included, and said beside them), as nanoGPT's and torchtitan's are."""
