@@ -147,6 +147,7 @@ def main():
                 stopping |= metrics.pop("stopped", False)  # a signal during validation
             in_flight.add(stats, metrics)  # (its loss and gradient norm: still computing)
             stopping |= log_steps(in_flight.ready(), log, domains, state, args)  # the step before
+            stopping |= world_size == 1 and stop.is_set()  # (alone, no need to agree on it)
             data.learn_late(mixer, state.get("domain_losses"), step)  # ODM: the step before's
             if stopping or step % args.ckpt_freq == 0 or step == args.max_steps:
                 stopping |= log_steps(in_flight.ready(wait=True), log, domains, state, args)
@@ -504,13 +505,12 @@ def next_token_targets(targets):
 def forward(model, batch, device):
     """The logits of a batch and the token ids they are scored against: every token, or with
     --task sft the ``labels`` (prompt and padding -100). Packed samples bring ``position_ids``
-    that restart at each, and attend within themselves (no KV cache: use_cache=False). For a
-    model that ignores them, use data.Pad instead of data.Pack."""
+    that restart at each and attend within themselves (no KV cache: use_cache=False)."""
     # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     positions = batch.get("position_ids")
+    mask = utils.packed_mask(model, positions, device)  # (see utils.skip_mask_checks)
     positions = positions.to(device, non_blocking=True) if positions is not None else None
-    mask = utils.packed_mask(model, positions)  # (built on the device: utils.skip_mask_checks)
     logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                    use_cache=False).logits
     return logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
@@ -533,7 +533,6 @@ def sequence_losses(logits, targets, label_smoothing=0.0):
 def log_steps(steps, log, domains, state, args):
     """Each step read (StepNumbers.ready, numbers summed over ranks) as its metrics line: loss,
     gradient norm, records skipped (log steps), each domain's loss and tokens; any signal?"""
-    stop = False
     for numbers, metrics in steps:
         metrics = {"step": metrics["step"], "loss": numbers["loss"],
                    "grad_norm": numbers["grad_norm"]} | metrics
@@ -546,10 +545,10 @@ def log_steps(steps, log, domains, state, args):
             metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name] = tokens
             if loss is not None:
                 metrics[f"mix/loss_{name}"] = loss
-        state["domain_losses"] = [metrics["step"], losses]  # for ODM after the next step
+        if domains:  # for the mixer, after the next step (data.learn_late)
+            state["domain_losses"] = [metrics["step"], losses]
         log.write(metrics)
-        stop = stop or numbers["stop"] > 0
-    return stop
+    return any(numbers["stop"] > 0 for numbers, _ in steps)
 
 
 def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_format, stop):

@@ -702,9 +702,7 @@ def forget_failed_start():
 
 class Timer:
     """Adds up the wall-clock seconds that the training thread spends in ``with timer:``."""
-
-    def __init__(self):
-        self.total = 0.0
+    total = 0.0
 
     def __enter__(self):
         self.start = time.perf_counter()
@@ -900,24 +898,22 @@ def any_rank(flag, ctx):
 
 
 class StepNumbers:
-    """The numbers of the steps in flight ({name: tensor} each), summed over the ranks in one
-    all-reduce on the device and copied to the host behind the step's queued work; read a step
-    later, when the GPU has long finished them, so an ordinary step never waits for the GPU
-    (DESIGN.md section 7). A checkpoint reads its own step's first (``ready(wait=True)``)."""
+    """Each step's numbers ({name: tensor}), summed over the ranks on the device and copied to
+    the host behind the step's queued work, are read a step later, when the GPU is long done:
+    an ordinary step never waits for it (DESIGN.md section 7); a save reads its own step's."""
 
     def __init__(self, ctx, run, loader, writer):
-        self.world_size, self.cuda, self.queue = ctx.world_size, ctx.device.type == "cuda", []
+        self.world_size, self.device, self.queue = ctx.world_size, ctx.device, []
         self.run, self.loader, self.writer = run, loader, writer  # (for stop_if_diverged)
 
-    def add(self, stats, metrics):
-        """A step's ``stats``, and the ``metrics`` they go with, once its work is queued."""
+    def add(self, stats, metrics):  # (once the step's work is queued)
         flat = torch.cat([value.detach().float().reshape(-1) for value in stats.values()])
         if self.world_size > 1:
             torch.distributed.all_reduce(flat)
-        done = torch.cuda.Event() if self.cuda else None
         host = flat.to("cpu", non_blocking=True)  # from a GPU: into pinned memory, no wait
+        done = torch.Event(self.device) if self.device.type != "cpu" else None
         if done:
-            done.record()
+            done.record()  # (after the copy, on its stream)
         self.queue.append((host, done, {k: v.shape for k, v in stats.items()}, metrics))
 
     def ready(self, wait=False):
@@ -925,14 +921,16 @@ class StepNumbers:
         still), or of all if ``wait``, oldest first; a vector's numbers are a list. A loss or
         gradient norm that is not finite ends the run here, before any checkpoint of it."""
         steps, self.queue = (self.queue, []) if wait else (self.queue[:-1], self.queue[-1:])
-        for host, done, shapes, metrics in steps:
-            if done:
-                done.synchronize()  # (a step late: long done, unless the host is far ahead)
-            parts = host.split([shape.numel() for shape in shapes.values()])
-            numbers = {name: part.view(shape).tolist()
-                       for (name, shape), part in zip(shapes.items(), parts)}
-            stop_if_diverged(numbers, metrics["step"], self.run, self.loader, self.writer)
-            yield numbers, metrics
+        return [self.read(*step) for step in steps]
+
+    def read(self, host, done, shapes, metrics):
+        if done:
+            done.synchronize()  # (a step late: long done, unless the host is far ahead)
+        parts = host.split([shape.numel() for shape in shapes.values()])
+        numbers = {name: part.view(shape).tolist()
+                   for (name, shape), part in zip(shapes.items(), parts)}
+        stop_if_diverged(numbers, metrics["step"], self.run, self.loader, self.writer)
+        return numbers, metrics
 
 
 def plain_tensor(tensor):
@@ -1068,15 +1066,17 @@ def skip_mask_checks(model):
     config.pad_token_id = None
 
 
-def packed_mask(model, positions):
-    """For a model that skip_mask_checks switched, packed samples' attention mask (a token sees
-    its own sample's earlier tokens, as transformers makes it), made on the device; else None."""
+def packed_mask(model, positions, device):
+    """A packed batch's attention mask, made on the device as transformers makes it, for a
+    model that skip_mask_checks switched; None for others, and for rows of one sample each."""
     config = getattr(unwrap(model), "config", None)
-    if positions is None or getattr(config, "_attn_implementation", None) != UNMASKED_SDPA:
+    if positions is None or getattr(config, "_attn_implementation", None) != UNMASKED_SDPA or \
+            bool((positions.diff(dim=-1) == 1).all()):
         return None
+    positions = positions.to(device, non_blocking=True)
     sample = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
     causal = torch.ones(positions.shape[1], positions.shape[1], dtype=torch.bool,
-                        device=positions.device).tril()
+                        device=device).tril()
     return (sample[:, None, :, None] == sample[:, None, None, :]) & causal
 
 

@@ -5,10 +5,13 @@ side, and prints each save's cost in seconds and in step times.
     python scripts/bench_checkpoint.py   # GPT-2 124M, seq 64, batch 1, 13 steps, a save every 3
 
 Each run is train_llm.py in a fresh process, logging every step. The loop time is the time
-from step 1's log line to step 13's; it holds the saves of steps 3, 6, 9 and 12. The cost of a
-save is (loop time with saves - loop time without) / 4; a step time is the loop time without
-saves / 12. The runs alternate (none, sync, background) --repeats times, and the medians are
-printed, so that a machine that drifts does not favour one kind.
+from step 1's log line to step 13's; it holds the saves of steps 3, 6, 9 and 12. A step's line
+is written when its numbers are read, a step late (at the end of step 2 for step 1), so the
+loop holds steps 3 to 13; an earlier kit (--before) that wrote it at once holds 2 to 13, and its
+loop is scaled to 11 steps. The cost of a save is (loop time with saves - loop time without) /
+4; a step time is the loop time without saves / 11. The runs alternate (none, sync,
+background) --repeats times, and the medians are printed, so that a machine that drifts does
+not favour one kind.
 """
 
 import argparse
@@ -52,7 +55,9 @@ def run(args, kind, save_dir):
     waited = [float(x) for x in re.findall(r"training waited ([\d.]+) s", log)]
     waited += [float(x) for x in re.findall(r"in ([\d.]+) s \(synchronously", log)]
     written = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
-    return loop_seconds(log, 1, args.steps), waited, written
+    timed = args.steps - 2  # (steps 3 to 13: step 1's line comes at the end of step 2)
+    scale = timed / (args.steps - 1) if kind == "before" else 1.0  # (it holds steps 2 to 13)
+    return loop_seconds(log, 1, args.steps) * scale, waited, written
 
 
 def main():
@@ -68,7 +73,7 @@ def main():
                         help="also time the kit checked out in DIR (e.g. a git worktree of an "
                              "earlier commit), saving every --every steps its own way")
     args = parser.parse_args()
-    saves = len(range(args.every, args.steps, args.every))  # inside the timed steps
+    saves = len(range(args.every, args.steps, args.every))  # inside the loop
     loops = {"none": [], "sync": [], "background": []} | ({"before": []} if args.before else {})
     waited, written = {"sync": [], "background": []}, []
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,9 +86,9 @@ def main():
                 print(f"run {repeat + 1}/{args.repeats} {kind:>10}: loop {seconds:.2f} s",
                       flush=True)
     base = statistics.median(loops["none"])
-    step = base / (args.steps - 1)
+    step = base / (args.steps - 2)
     print(f"\n{args.model_name}, seq {args.seq_length}, batch {args.batch_size}: "
-          f"{args.steps - 1} timed steps, {saves} saves; step time {step:.3f} s")
+          f"{args.steps - 2} timed steps, {saves} saves; step time {step:.3f} s")
     print("| saves | loop (s) | cost per save (s) | in step times | training waited per save (s) |")
     print("|---|---|---|---|---|")
     for kind in [k for k in loops if k != "none"]:

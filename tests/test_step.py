@@ -153,9 +153,9 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model):
 
 def test_skipping_the_mask_checks_leaves_the_logits_as_they_were():
     """utils.skip_mask_checks (no read of the GPU in a forward): through the trainer's forward,
-    the logits of a plain batch holding the pad token and of a packed batch (padding at its
-    end) are transformers' own to the bit, gradients too. A model with a sliding window keeps
-    transformers' masks."""
+    the logits of a plain batch holding the pad token, of a packed batch (padding at its end)
+    and of rows of one sample each are transformers' own to the bit, gradients too. A model
+    with a sliding window keeps transformers' masks."""
     plain, kit = small_model(), small_model()
     utils.skip_mask_checks(kit)
     assert kit.config._attn_implementation == utils.UNMASKED_SDPA
@@ -165,10 +165,12 @@ def test_skipping_the_mask_checks_leaves_the_logits_as_they_were():
     packed = {"input_ids": ids,
               "position_ids": torch.cat([torch.arange(7), torch.arange(13), torch.zeros(4,
                                          dtype=torch.long)]).repeat(3, 1)}
-    for batch in ({"input_ids": ids}, packed):
+    one_each = {"input_ids": ids, "position_ids": torch.arange(24).repeat(3, 1)}  # full rows
+    assert utils.packed_mask(kit, one_each["position_ids"], "cpu") is None  # SDPA's is_causal
+    for batch in ({"input_ids": ids}, packed, one_each):
         logits = [train_llm.forward(model, batch, "cpu")[0] for model in (kit, plain)]
         assert torch.equal(logits[0], logits[1])
-        for model, out in zip((kit, plain), logits):
+        for out in logits:
             out.square().mean().backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(kit.parameters(),
                                                                plain.parameters()))
