@@ -10,35 +10,42 @@ The file reads top to bottom in the order a sample meets the stages:
 
     The stage protocol      Stage (state_dict, load_state_dict, reshard_state), the errors
     Sources                 Files, Shards, their readers (byte ranges, Parquet row groups,
-                            JSON arrays, token files) and retries; HFDataset, Sequence
+                            JSON arrays, token files) and retries; HFDataset
     Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
     Fine-tuning (SFT)       FormatInstructions, Pack, Pad
     Batching, prefetching   collate, Batch, Prefetch
     Mixing domains          OnlineMixer, learn_late, Mix
     Resharding              reshard: the states of W ranks loaded into one of W' ranks
     The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
-                            parse_mix, domain_weights, check_validation, skipped_records,
+                            parse_mix, domain_weights, validation_set, skipped_records,
                             source_epoch
-    Other stages            Map, Filter, Take, Chunk (train_llm.py uses only Take)
+    Other stages            Map, Filter
 """
 
 import argparse
 import array
 import codecs
 import collections
+import contextlib
 import copy
+import ctypes
+import gc
 import glob
 import io
 import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
-import queue
+import pickle
 import random
 import re
+import signal
 import threading
 import time
+import traceback
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -151,7 +158,7 @@ def _rng_from_json(rng, state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Sources: Files (its readers and retries follow it), HFDataset, Sequence
+# Sources: Files (its readers and retries follow it), HFDataset
 # ----------------------------------------------------------------------------------------------
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
@@ -607,8 +614,8 @@ def _check_files(old, old_plan, new, plan):
 
 
 def _split_order(n, seed, epoch, shuffled):
-    """The order in which an epoch reads ``n`` splits (Sequence: items): shuffled by (seed,
-    epoch), or as they are."""
+    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as
+    they are."""
     order = list(range(n))
     if shuffled:
         random.Random(f"{seed}-{epoch}").shuffle(order)
@@ -1200,37 +1207,6 @@ class HFDataset(Stage):
             self.dataset.load_state_dict(self._resumed)
 
 
-class Sequence(Stage):
-    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
-
-    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
-        self.items = list(items)
-        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
-        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
-                       "seed": seed}
-        self.epoch, self.pos = 0, 0
-        self._order = _split_order(len(self.items), seed, 0, shuffle)  # (as Files orders)
-
-    def __next__(self):
-        if self.pos == len(self.items):
-            if not self.repeat or not self.items:
-                raise StopIteration
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
-        item = self.items[self._order[self.pos]]
-        self.pos += 1
-        # A copy, because later stages add keys and the next epoch must see the original.
-        return dict(item) if isinstance(item, dict) else item
-
-    def state_dict(self):
-        return self._state(epoch=self.epoch, pos=self.pos)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
-
-
 # ----------------------------------------------------------------------------------------------
 # Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle
 # ----------------------------------------------------------------------------------------------
@@ -1276,7 +1252,7 @@ class Tokenize(Stage):
         self.config = {"tokenizer": name, "vocab_size": vocab, "column": column,
                        "batch_size": batch_size, "add_special_tokens": add_special_tokens,
                        "max_chars": max_chars}
-        self._pool, self._per_thread = None, threading.local()  # _per_thread: see _work
+        self._pool, self._per_thread = None, None  # _per_thread: see _work
         self._popped = 0                      # batches taken by __next__ (see _work)
         self._inflight = collections.deque()  # (upstream states, future) of each batch
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
@@ -1349,6 +1325,7 @@ class Tokenize(Stage):
         if samples:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
+                self._per_thread = threading.local()
             seq = self._popped + len(self._inflight)  # the batch's number, from 0
             self._inflight.append((states, self._pool.submit(self._work, samples, seq)))
 
@@ -1778,10 +1755,9 @@ class Pad(Stage):
 # Batching and prefetching: collate, Batch, Prefetch
 # ----------------------------------------------------------------------------------------------
 
-def collate(samples, pin_memory=False):
+def collate(samples):
     """Stacks the tensors of a list of samples, and makes one tensor of each field of numbers
-    (Mix's "domain"); other fields become lists. ``pin_memory``: page-locked, which a GPU
-    copies from without making the host wait (``.to(device, non_blocking=True)``)."""
+    (Mix's "domain"); other fields become lists."""
     out = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
@@ -1795,8 +1771,6 @@ def collate(samples, pin_memory=False):
             out[key] = torch.tensor(values)
         else:
             out[key] = values
-    if pin_memory:
-        out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     return out
 
 
@@ -1804,9 +1778,8 @@ class Batch(Stage):
     """Groups ``batch_size`` samples into one (collate), within one next(): no partial batch
     is ever state. The last batch may be short unless ``drop_last``."""
 
-    def __init__(self, src, batch_size, *, drop_last=False, pin_memory=False):
+    def __init__(self, src, batch_size, *, drop_last=False):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
-        self.pin_memory = pin_memory
         # No batch_size: Batch keeps no state, so a resumed run may group samples otherwise.
         self.config = {"drop_last": drop_last}
 
@@ -1819,80 +1792,160 @@ class Batch(Stage):
                 break
         if not samples or (self.drop_last and len(samples) < self.batch_size):
             raise StopIteration
-        return collate(samples, self.pin_memory)
+        return collate(samples)
 
 
 class Prefetch(Stage):
-    """Runs the upstream pipeline in a background thread, ``depth`` items ahead. Each item
-    crosses the queue with the upstream state taken right after it: state_dict() is the last
-    handed out's, and items still queued are produced again after a resume. The thread is a
-    daemon (an abandoned pipeline never keeps Python alive); close() stops it."""
+    """Runs the upstream pipeline ``depth`` items ahead in a child process forked at the first
+    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, tensors as NumPy
+    arrays (``pin_memory``: pinned on arrival); the child keeps the state after each until
+    asked (state_dict), so only a checkpoint moves a state. ``follow``: the OnlineMixer that
+    learns here (learn_late); every ``every`` items the child takes its state before drawing
+    on. The child dies with this process (PR_SET_PDEATHSIG) and with close()."""
 
-    def __init__(self, src, depth=2):
+    def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1):
         self.src, self.depth = src, depth
-        self._queue = queue.Queue(maxsize=depth)
-        self._thread = None
-        self._stop = threading.Event()
-        self._last_state = None  # state belonging to the last item handed out
-        self._end = None         # the exception that ended the stream, raised again on next()
-        self._ahead = None       # the first item, taken from the queue by peek()
-
-    def _produce(self):
-        try:
-            while not self._stop.is_set():
-                item = next(self.src)
-                self._queue.put((item, self.src.state_dict(), None))
-        except Exception as e:  # StopIteration included: it ends the stream downstream too
-            self._queue.put((None, None, e))
+        self.pin_memory, self.follow, self.every = pin_memory, follow, every
+        self._conn = self._pid = self._end = None
+        self._ready, self._taken, self._followed = collections.deque(), 0, 0
+        self.skipped = 0  # bad records skipped, up to the last item (a state crosses for saves)
 
     def _start(self):
-        if self._thread is None:
-            self._last_state = self.src.state_dict()
-            self._thread = threading.Thread(target=self._produce, daemon=True, name="prefetch")
-            self._thread.start()
+        if self._pid is None:
+            self._conn, theirs = multiprocessing.Pipe()
+            parent, self._pid = os.getpid(), os.fork()
+            if self._pid == 0:
+                self._conn.close()
+                _serve(theirs, self.src, self.depth, self.every if self.follow else 0, parent)
+            theirs.close()
+            self._conn.send(("more", self.depth))
+            weakref.finalize(self, _stop, self._conn, self._pid)  # (also at exit)
+
+    def _receive(self, kind):
+        """The child's next message of ``kind``: items that come before it wait in _ready."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                raise RuntimeError(f"Prefetch: the data process {self._pid} ended") from None
+            if message[0] == kind:
+                return message
+            self._ready.append(message)
+
+    def _follow(self):
+        """At a step's end: the mixer as learn_late left it, for the child's next draws."""
+        if self.follow and self._taken % self.every == 0 and \
+                self._taken // self.every > self._followed:
+            self._conn.send(("mixer", self.follow.state_dict()))
+            self._followed += 1
 
     def peek(self):
         """Waits for the first item without handing it out, and raises what making it raised
         (a shard changed since the state was saved, a bad record)."""
         self._start()
-        if self._ahead is None:
-            self._ahead = self._queue.get()
-        if self._ahead[2] is not None and not isinstance(self._ahead[2], StopIteration):
-            raise self._ahead[2]
+        if not self._ready:
+            self._ready.append(self._receive("item"))
+        if self._ready[0][3] is not None and not isinstance(self._ready[0][3], StopIteration):
+            raise self._ready[0][3]
 
     def __next__(self):
         if self._end is not None:
             raise self._end
-        if self._stop.is_set():
-            raise RuntimeError("Prefetch: next() after close()")
         self._start()
-        item, state, error = self._ahead or self._queue.get()
-        self._ahead = None
+        self._follow()
+        _, item, self.skipped, error = self._ready.popleft() if self._ready else \
+            self._receive("item")
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
-        self._last_state = state
-        return item
+        self._conn.send(("more", 1))
+        self._taken += 1
+        if not isinstance(item, dict):
+            return item
+        item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                for k, v in item.items()}
+        return {k: v.pin_memory() if self.pin_memory and isinstance(v, torch.Tensor) else v
+                for k, v in item.items()}
 
     def state_dict(self):
-        upstream = self._last_state if self._thread is not None else self.src.state_dict()
-        return self._state(upstream=upstream)
+        if not self._taken:  # (this process's copy never runs: its state is the start's)
+            return self._state(upstream=self.src.state_dict())
+        self._follow()
+        self._conn.send(("state", self._taken - 1))
+        return self._state(upstream=self._receive("state")[1])
 
     def load_state_dict(self, state):
-        if self._thread is not None:
+        if self._pid is not None:
             raise RuntimeError("load_state_dict must be called before the first next()")
         self._load(state)
 
     def close(self):
-        if self._thread is not None:
-            self._stop.set()
-            while self._thread.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get(timeout=0.1)
-                except queue.Empty:
-                    pass
-            self._thread = None
-        super().close()
+        self._end = RuntimeError("Prefetch: next() after close()")
+        if self._pid:
+            _stop(self._conn, self._pid)
+
+
+def _stop(conn, pid):
+    """Ends Prefetch's child, which leaves nothing to clean up (no shared memory, no files)."""
+    conn.close()
+    with contextlib.suppress(ChildProcessError, ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def _serve(conn, src, depth, every, parent):
+    """Prefetch's child: hands out an item per credit ("more"), keeping the state after each
+    a while ("state"), and loads the mixer's state when told to ("mixer"). Never returns."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's: it stops us
+            signal.signal(signum, signal.SIG_IGN)
+        if os.getppid() != parent:  # (it died before prctl)
+            os._exit(0)
+        gc.freeze()  # the parent's objects stay shared pages: the GC does not write to them
+        gc.enable()
+        mix = next((stage for stage in _stages(src) if isinstance(stage, Mix)), None)
+        states, made, credit, followed, ended = {}, 0, 0, 0, False
+        while True:
+            if ended or not credit or every and made and made % every == 0 and \
+                    followed < made // every or conn.poll():
+                command, arg = conn.recv()
+                if command == "more":
+                    credit += arg
+                elif command == "mixer":  # (at a step's end: the state is taken anew)
+                    mix.mixer.load_state_dict(arg)
+                    followed, states[made - 1] = followed + 1, src.state_dict()
+                elif command == "state":
+                    conn.send(("state", states[arg]))
+                continue
+            try:
+                item, error = next(src), None
+            except Exception as e:  # (StopIteration too) crosses with the child's traceback
+                item, error, ended = None, _portable(e), True
+            if not ended:
+                states[made] = src.state_dict()
+                states.pop(made - depth - 2, None)
+                if isinstance(item, dict):
+                    item = {k: v.numpy() if isinstance(v, torch.Tensor) else v
+                            for k, v in item.items()}
+            conn.send(("item", item, skipped_records(states.get(made)), error))
+            made, credit = made + 1, credit - 1
+    except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
+        pass
+    except BaseException:  # a bug of its own: said before it goes
+        traceback.print_exc()
+    finally:
+        os._exit(0)  # never the parent's atexit handlers
+
+
+def _portable(error):
+    """``error`` with the child's traceback as a note, or a RuntimeError if it cannot cross."""
+    if not isinstance(error, StopIteration):
+        error.add_note("In Prefetch's process:\n" + "".join(traceback.format_exception(error)))
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1963,8 +2016,7 @@ def learn_late(mixer, held, step):
 class Mix(Stage):
     """Interleaves named pipelines: each sample's domain is drawn with this stage's own RNG
     from the current probabilities (fixed ``weights``, or a ``mixer``'s: DESIGN.md section 9)
-    and tagged as ``sample["domain"]``. The draw depends on training losses when a mixer
-    adapts, so Mix runs in the training loop's thread: Prefetch goes under it, never above."""
+    and tagged as ``sample["domain"]``; a Prefetch above it follows the mixer (``follow``)."""
 
     def __init__(self, pipelines, weights=None, *, seed=0, mixer=None):
         self.names, self.pipelines = list(pipelines), list(pipelines.values())
@@ -2016,15 +2068,21 @@ class Mix(Stage):
 # Resuming on another number of ranks: reshard (DESIGN.md section 4)
 # ----------------------------------------------------------------------------------------------
 
-def first_read(pipeline):
-    """Has every Prefetch of ``pipeline`` make its first item, and raises what that raised:
-    a resume that is about to let things go (--resume-from) checks its data first."""
+def _stages(pipeline):
+    """The stages of ``pipeline`` from its top, through the domains of a Mix."""
     stages = [pipeline]
     while stages:
         stage = stages.pop()
+        yield stage
+        stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] * bool(stage.src)
+
+
+def first_read(pipeline):
+    """Has every Prefetch of ``pipeline`` make its first item, and raises what that raised:
+    a resume that is about to let things go (--resume-from) checks its data first."""
+    for stage in _stages(pipeline):
         if isinstance(stage, Prefetch):
             stage.peek()
-        stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] if stage.src else []
 
 
 def reshard(pipeline, states):
@@ -2032,14 +2090,11 @@ def reshard(pipeline, states):
     that the W ranks of an earlier run saved, in rank order: every document is trained on
     exactly once, only the order changes (DESIGN.md section 4). Each stage merges its own
     fields and asks its upstream in turn (Stage.reshard_state, Resharding.merge); one that
-    cannot (Take, Chunk, Sequence) is refused. Returns counts for the log."""
-    files = pipeline
-    while not isinstance(files, Files):  # (through a Mix: its first domain's)
-        below = files.pipelines[0] if isinstance(files, Mix) else files.src
-        if below is None:
-            raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
-                             f"number of ranks; this one reads {type(files).__name__}")
-        files = below
+    cannot (state of its own, no reshard_state) is refused. Returns counts for the log."""
+    *_, files = _stages(pipeline)  # (through a Mix: its first domain's source)
+    if not isinstance(files, Files):
+        raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
+                         f"number of ranks; this one reads {type(files).__name__}")
     ctx = Resharding(files.config["rank"], files.config["world_size"], len(states))
     pipeline.load_state_dict(ctx.merge(pipeline, states))
     return ctx.report
@@ -2071,7 +2126,7 @@ class Resharding:
 
 
 # ----------------------------------------------------------------------------------------------
-# The trainer's wiring: source, sft_format, find_domains, domain_weights, check_validation, and
+# The trainer's wiring: source, sft_format, find_domains, domain_weights, validation_set, and
 # reading a pipeline's state (skipped_records, source_epoch)
 # ----------------------------------------------------------------------------------------------
 
@@ -2224,36 +2279,28 @@ def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, 
     the training data."""
     batches = []
     for i, pipeline in enumerate(pipelines):
-        for batch in Take(pipeline, n):
+        for batch in itertools.islice(pipeline, n):
             tag = {"domain": torch.full((len(batch["input_ids"]),), i)} if tagged else {}
             batches.append(batch | tag)
         pipeline.close()
-    check_validation(batches, (asked or 0) * len(pipelines), train_spec, val_spec, warn)
-    return batches
-
-
-def check_validation(batches, wanted, train_spec, val_spec, warn=True):
-    """Refuse a validation set of no batch; warn (``warn``: on one rank) about fewer than
-    ``wanted``, and about shards shared with the training data."""
     if not batches:
         raise DataError(f"--val-dataset {val_spec} has less than one batch of tokens "
                         "(--batch-size x --seq-length): lower --batch-size, or pass a bigger "
                         "--val-dataset.")
     if not warn:
-        return
-    if len(batches) < wanted:
-        log.warning(f"--val-dataset holds only {len(batches)} batches of the {wanted} asked "
-                    "for: validating on those")
+        return batches
+    if len(batches) < (asked or 0) * len(pipelines):
+        log.warning(f"--val-dataset holds only {len(batches)} batches of the "
+                    f"{asked * len(pipelines)} asked for: validating on those")
     try:
         train_urls, val_urls = expand_urls(train_spec), expand_urls(val_spec)
     except OSError:  # not shards (a Hub name): nothing to compare
-        return
-    if not all(map(shard_format, train_urls + val_urls)):
-        return  # a Hub name, or a save_to_disk directory: Files does not read them
+        return batches
     shared = set(train_urls) & set(val_urls)
-    if shared:  # a validation loss measured on training data says nothing
+    if all(map(shard_format, train_urls + val_urls)) and shared:  # (Files reads them)
         log.warning(f"{len(shared)} shard(s) are in both --dataset and --val-dataset (e.g. "
                     f"{sorted(shared)[0]}): the validation loss will look better than it is")
+    return batches
 
 
 def skipped_records(loader_state):
@@ -2277,7 +2324,7 @@ def source_epoch(loader_state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages outside the trainer's pipelines: Map, Filter, Take, Chunk
+# Stages outside the trainer's pipelines: Map, Filter
 # ----------------------------------------------------------------------------------------------
 
 class Map(Stage):
@@ -2298,52 +2345,3 @@ class Filter(Map):
             sample = next(self.src)
             if self.fn(sample):
                 return sample
-
-
-class Take(Stage):
-    """The first ``n`` samples."""
-
-    def __init__(self, src, n):
-        self.src, self.n, self.count = src, n, 0
-        self.config = {"n": n}
-
-    def __next__(self):
-        if self.count >= self.n:
-            raise StopIteration
-        sample = next(self.src)
-        self.count += 1
-        return sample
-
-    def state_dict(self):
-        return self._state(count=self.count)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.count = state["count"]
-
-
-class Chunk(Stage):
-    """Cuts each document on its own into ``input_ids`` tensors of ``length`` tokens (its short
-    tail dropped unless ``drop_remainder=False``); the uncut rest of a document is state."""
-
-    def __init__(self, src, length, *, drop_remainder=True):
-        self.src, self.length, self.drop_remainder = src, length, drop_remainder
-        self.config = {"length": length, "drop_remainder": drop_remainder}
-        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
-
-    def __next__(self):
-        while True:
-            left = len(self.doc) - self.pos
-            if left >= self.length or (left > 0 and not self.drop_remainder):
-                piece = self.doc[self.pos:self.pos + self.length]
-                self.pos += len(piece)
-                return {"input_ids": as_tensor(piece)}
-            self.doc, self.pos = array.array("q"), 0
-            self.doc.frombytes(as_int64(next(self.src)["input_ids"], "Chunk"))
-
-    def state_dict(self):
-        return self._state(rest=self.doc[self.pos:].tolist())
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.doc, self.pos = array.array("q", state["rest"]), 0

@@ -342,18 +342,19 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
 
     Training reads --active-shards shards at a time, round-robin, forever (or --epochs passes)
     in a seeded order, and shuffles chunks in a buffer. Validation reads its shards once. With
-    ``weights`` each domain has a pipeline, prefetched in the background, and Mix draws each
-    sequence's domain; it follows the losses, so Mix and Batch run in the training thread."""
+    ``weights`` each domain has a pipeline and Mix draws each sequence's domain, with the
+    mixer as it stands at the step's start (--odm: it learns from the losses here)."""
     if weights is not None:
-        pipes = {name: sequences(pattern, tokenizer, args, rank, world_size, train)
-                 for name, pattern in data.find_domains(urls).items()}
-        pipe = data.Mix({name: data.Prefetch(p) for name, p in pipes.items()}, weights,
+        pipe = data.Mix({name: sequences(pattern, tokenizer, args, rank, world_size, train)
+                         for name, pattern in data.find_domains(urls).items()}, weights,
                         seed=args.seed, mixer=mixer)
-        return data.Batch(pipe, args.batch_size, drop_last=True, pin_memory=pin_memory)
-    pipe = sequences(urls, tokenizer, args, rank, world_size, train)
-    # Pinned memory: copies to the GPU do not wait. A whole step's micro-batches ready ahead.
-    pipe = data.Batch(pipe, args.batch_size, drop_last=True, pin_memory=pin_memory)
-    return data.Prefetch(pipe, depth=args.grad_accum + 1) if train else pipe
+    else:
+        pipe = sequences(urls, tokenizer, args, rank, world_size, train)
+    pipe = data.Batch(pipe, args.batch_size, drop_last=True)
+    # A step's micro-batches made ahead in a process of its own, off the training thread's GIL,
+    # and pinned (copies to the GPU do not wait).
+    return data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=pin_memory, follow=mixer,
+                         every=args.grad_accum) if train else pipe
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):

@@ -540,7 +540,7 @@ def rank_flags(stop, log_step, loader, device):
     run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
     flags = {"stop": torch.full((), float(stop.is_set()), device=device)}
     if log_step:
-        skipped = data.skipped_records(loader.state_dict())
+        skipped = loader.skipped
         flags["skipped"] = torch.full((), float(skipped), device=device)
     return flags
 

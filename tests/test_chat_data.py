@@ -7,6 +7,7 @@ import json
 import pytest
 from helpers import (
     ROOT,
+    Sequence,
     jsonl,
     refused,
     script,
@@ -20,7 +21,7 @@ from transformers import AutoTokenizer
 import data
 import train_llm
 import utils
-from data import DataError, Files, FormatInstructions, Sequence
+from data import DataError, Files, FormatInstructions
 
 TOY = toy_tokenizer()
 

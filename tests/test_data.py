@@ -10,15 +10,15 @@ import textwrap
 import threading
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 import zstandard
-from helpers import ROOT, toy_tokenizer
+from helpers import ROOT, Chunk, Sequence, Take, toy_tokenizer
 
 from data import (
     Batch,
-    Chunk,
     ConcatChunk,
     EnsureBosEos,
     Files,
@@ -28,9 +28,7 @@ from data import (
     Pack,
     Pad,
     Prefetch,
-    Sequence,
     Shuffle,
-    Take,
     Tokenize,
     expand_urls,
 )
@@ -313,12 +311,13 @@ def test_prefetch_same_items_and_errors():
         next(p)  # an error, not a hang
 
 
-def test_prefetch_close_stops_a_blocked_producer():
+def test_prefetch_close_ends_its_process():
     p = Prefetch(Sequence(range(100), repeat=True), 1)
-    next(p)  # the producer now blocks on the full queue
-    thread = p._thread
+    next(p)  # its process now waits for the next credit
+    pid = p._pid
+    assert Path(f"/proc/{pid}").exists()
     p.close()
-    assert not thread.is_alive()
+    assert not Path(f"/proc/{pid}").exists()  # ended and reaped
 
 
 @pytest.mark.slow

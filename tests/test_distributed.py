@@ -23,6 +23,7 @@ from helpers import (
     ENV,
     ID_OF,
     ROOT,
+    Take,
     assert_same_weights,
     consumed,
     corpus_args,
@@ -31,13 +32,13 @@ from helpers import (
     export,
     final_model,
     kill_at,
+    leftover,
     loader_states,
     metrics,
     ranks_command,
     resumable_step,
     resumed_steps,
     run_ranks,
-    stage,
     word_tokenizer,
     write_corpus,
 )
@@ -88,12 +89,11 @@ def test_reshard_trains_every_document_exactly_once(tmp_path_factory, p):
             if states is not None:
                 report = data.reshard(pipe, states)
                 assert report["old_world_size"] == len(states)
-            for batch in pipe if last else data.Take(pipe, next(cuts)):
+            for batch in pipe if last else Take(pipe, next(cuts)):
                 emitted += batch["input_ids"].flatten().tolist()
             new_states.append(json.loads(json.dumps(pipe.state_dict())))
             if last:
-                chunker = stage(pipe, data.ConcatChunk)
-                leftovers += chunker.buf[chunker.pos:].tolist()
+                leftovers += leftover(new_states[-1])
             pipe.close()
         states = new_states
 
@@ -158,8 +158,7 @@ def test_every_stage_passes_on_every_document_once_per_epoch(tmp_path_factory, p
                     ids += [ID_OF[t] for t in torch.as_tensor(item["input_ids"]).flatten().tolist()
                             if t in ID_OF]
             if depth >= 3:  # ConcatChunk's last, incomplete chunk
-                chunker = stage(pipe, data.ConcatChunk)
-                ids += [ID_OF[t] for t in chunker.buf[chunker.pos:].tolist() if t in ID_OF]
+                ids += [ID_OF[t] for t in leftover(pipe.state_dict()) if t in ID_OF]
             pipe.close()
         assert collections.Counter(ids) == collections.Counter(
             {doc: p["epochs"] for doc in range(n_docs)}), f"after {depth} stages"
@@ -180,7 +179,7 @@ def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world,
         states = []
         for r in range(world):
             pipe = pipeline(urls, r, world, p)
-            for _ in data.Take(pipe, cut):
+            for _ in Take(pipe, cut):
                 pass
             states.append(pipe.state_dict())
             pipe.close()
@@ -190,7 +189,7 @@ def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world,
 
 
 def test_reshard_refuses_stages_it_cannot_split():
-    pipe = data.Take(data.Files(str(ROOT / "data/sample/prose/val-*.jsonl")), 3)
+    pipe = Take(data.Files(str(ROOT / "data/sample/prose/val-*.jsonl")), 3)
     with pytest.raises(ValueError, match="Take"):
         data.reshard(pipe, [pipe.state_dict()])
 

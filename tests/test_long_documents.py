@@ -9,6 +9,7 @@ import resource
 
 import pytest
 from helpers import (
+    Sequence,
     examples,
     older_tokenize_state,
     run_with_cuts,
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import data
-from data import Files, Map, Sequence, Tokenize
+from data import Files, Map, Tokenize
 
 TOY = toy_tokenizer()
 

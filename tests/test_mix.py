@@ -8,6 +8,7 @@ import sys
 import pytest
 from helpers import (
     ROOT,
+    Sequence,
     digest,
     examples,
     kill_at,
@@ -20,7 +21,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data import Mix, OnlineMixer, Prefetch, Sequence
+from data import Mix, OnlineMixer, Prefetch
 
 
 def test_exp3_against_hand_computed_values():

@@ -11,7 +11,7 @@ import collections
 import json
 
 import pytest
-from helpers import ID_OF, examples, stage, write_corpus
+from helpers import ID_OF, Take, examples, leftover, stage, write_corpus
 from helpers import WORD_TOKENIZER as TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,7 +48,7 @@ def run_worlds(p, build, after_reading=lambda pipe, k: None, check_resharded=lam
             check_resharded(pipes)
         states = []
         for pipe in pipes:
-            for batch in pipe if last else data.Take(pipe, p["cuts"][k]):
+            for batch in pipe if last else Take(pipe, p["cuts"][k]):
                 seen += ids_in(batch)
             after_reading(pipe, k)
             states.append(json.loads(json.dumps(pipe.state_dict())))
@@ -82,10 +82,10 @@ def test_a_mix_with_odm_reshards_every_document_exactly_once(tmp_path_factory, p
     urls = str(root / "*/*.jsonl")
     args.dataset = urls
 
-    def build(rank, world):
+    def build(rank, world):  # (Mix here, not in Prefetch's process: its domains are read out)
         _, weights, mixer = train_llm.mixture(args, {"config": {}})  # a new run's state
         return train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True,
-                                        weights=weights, mixer=mixer)
+                                        weights=weights, mixer=mixer).src
 
     def after_reading(pipe, k):  # losses that differ by domain and step, the same on all ranks
         mixer = stage(pipe, data.Mix).mixer
@@ -195,8 +195,7 @@ def test_a_stage_before_tokenize_reshards_every_kept_document_once(tmp_path_fact
     except data.SplitError:  # fewer documents than slots: nothing to check
         return
     for pipe in pipes:
-        chunker = stage(pipe, data.ConcatChunk)
-        seen += [ID_OF[t] for t in chunker.buf[chunker.pos:].tolist() if t in ID_OF]
+        seen += [ID_OF[t] for t in leftover(pipe.state_dict()) if t in ID_OF]
         pipe.close()
     assert collections.Counter(seen) == collections.Counter(
         [d for d in range(n_docs) if p["before"] == "shuffle" or d % 3 != 0])
@@ -204,11 +203,11 @@ def test_a_stage_before_tokenize_reshards_every_kept_document_once(tmp_path_fact
 
 def test_a_stage_with_state_before_tokenize_that_cannot_reshard_is_refused_by_name(tmp_path):
     write_corpus(tmp_path, [10, 10])
-    pipes = [data.Tokenize(data.Take(data.Files(str(tmp_path / "*.jsonl"), rank=r, world_size=2,
+    pipes = [data.Tokenize(Take(data.Files(str(tmp_path / "*.jsonl"), rank=r, world_size=2,
                                                 n_active_shards=2), 5), TOKENIZER)
              for r in range(2)]
     states = [pipe.state_dict() for pipe in pipes]
-    one = data.Tokenize(data.Take(data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2), 5),
+    one = data.Tokenize(Take(data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2), 5),
                         TOKENIZER)
     with pytest.raises(ValueError, match="the state of Take cannot be split across ranks"):
         data.reshard(one, states)

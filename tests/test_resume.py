@@ -17,6 +17,9 @@ import pytest
 import zstandard
 from helpers import (
     LETTERS,
+    Chunk,
+    Sequence,
+    Take,
     examples,
     records_per_split,
     run_with_cuts,
@@ -28,7 +31,6 @@ from hypothesis import strategies as st
 
 from data import (
     Batch,
-    Chunk,
     ConcatChunk,
     EnsureBosEos,
     Files,
@@ -36,10 +38,8 @@ from data import (
     Pack,
     Pad,
     Prefetch,
-    Sequence,
     Shuffle,
     SplitError,
-    Take,
     Tokenize,
 )
 

@@ -4,7 +4,17 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, examples, kill_at, metrics, resumed_steps, run_with_cuts, start, train
+from helpers import (
+    ROOT,
+    Sequence,
+    examples,
+    kill_at,
+    metrics,
+    resumed_steps,
+    run_with_cuts,
+    start,
+    train,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -20,7 +30,7 @@ def encode(text):
 
 
 def format_one(record, tokenizer=TOKENIZER):
-    return next(data.FormatInstructions(data.Sequence([record]), tokenizer))
+    return next(data.FormatInstructions(Sequence([record]), tokenizer))
 
 
 @pytest.mark.parametrize("with_input", [False, True])
@@ -59,7 +69,7 @@ def test_packed_instruction_batch_by_hand():
     records = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}]
     samples = [format_one(r) for r in records]
     length = len(samples[0]["input_ids"]) + len(samples[1]["input_ids"])
-    pipe = data.Pack(data.FormatInstructions(data.Sequence(records), TOKENIZER), length + 2)
+    pipe = data.Pack(data.FormatInstructions(Sequence(records), TOKENIZER), length + 2)
     (row,) = list(pipe)
     first, second = samples
     assert row["input_ids"].tolist() == first["input_ids"] + second["input_ids"] + [0, 0]

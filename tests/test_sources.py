@@ -25,6 +25,7 @@ import torch
 import zstandard
 from helpers import (
     ROOT,
+    Take,
     examples,
     kill_at,
     metrics,
@@ -39,7 +40,7 @@ from hypothesis import strategies as st
 from moto.server import ThreadedMotoServer
 
 import data
-from data import DataError, Files, HFDataset, Take
+from data import DataError, Files, HFDataset
 
 BUCKET = "kit-data"
 

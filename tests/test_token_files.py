@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import (
     ROOT,
+    Sequence,
     assert_same_run,
     examples,
     kill_at,
@@ -193,7 +194,7 @@ def test_raw_uint16_ids_with_a_larger_tokenizer_are_refused(tmp_path):
 def test_tokenize_reads_ahead_a_bounded_number_of_ids(toy):
     """Token records pass Tokenize as they are, and count toward its read-ahead as text does:
     2 threads x 2 batches of 1 M characters, at 4 per id."""
-    src = data.Sequence([{"input_ids": [4] * 300_000} for _ in range(100)])
+    src = Sequence([{"input_ids": [4] * 300_000} for _ in range(100)])
     tokenize = data.Tokenize(src, toy, num_threads=2)
     assert next(tokenize)["input_ids"] == [4] * 300_000
     assert src.pos <= 5  # (one 1.2 M-character record per batch, 4 batches, then the next)
