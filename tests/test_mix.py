@@ -21,7 +21,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data import Mix, OnlineMixer, Prefetch
+from data import Batch, Mix, OnlineMixer, Prefetch
 
 
 def test_exp3_against_hand_computed_values():
@@ -126,6 +126,40 @@ def test_mix_resumes_exactly_inside_and_after_warmup(weights, variant, warmup, s
         return make_mix(weights, variant, warmup, seed, prefetch)
 
     assert train_like(make, cuts, 20) == train_like(make, set(), 20)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(weights=st.lists(st.integers(1, 5), min_size=2, max_size=3),
+       variant=st.sampled_from(["exp3", "smoothed-mean"]), warmup=st.integers(0, 4),
+       seed=st.integers(0, 3), every=st.integers(1, 3),
+       cuts=st.sets(st.integers(2, 12), max_size=2))
+def test_a_prefetch_that_follows_the_mixer_draws_and_resumes_as_the_mix_here(
+        weights, variant, warmup, seed, every, cuts):
+    """ODM learns in the trainer's process and Mix draws in Prefetch's: at each step's start
+    (every ``every`` batches) the child takes the mixer's state, so every batch, and a resume
+    at any step, is what a Mix in this process gives."""
+    def make(ahead):
+        mix = make_mix(weights, variant, warmup, seed, prefetch=False)
+        pipe = Batch(mix, 3)
+        return (Prefetch(pipe, 2, follow=mix.mixer, every=every) if ahead else pipe), mix.mixer
+
+    def steps(ahead, cuts):
+        (pipe, mixer), out = make(ahead), []
+        for step in range(1, 13):
+            if step in cuts:
+                state = json.loads(json.dumps(pipe.state_dict()))
+                pipe.close()
+                (pipe, mixer) = make(ahead)
+                pipe.load_state_dict(state)
+            batches = [next(pipe) for _ in range(every)]
+            ids = [i for batch in batches for i in batch["id"]]
+            domains = [d for batch in batches for d in batch["domain"].tolist()]
+            mixer.update({d: 1 + domains.count(d) % 3 for d in set(domains)}, step)
+            out.append((ids, list(mixer.probabilities)))
+        pipe.close()
+        return out
+
+    assert steps(True, cuts) == steps(False, set())
 
 
 def design_curriculum():

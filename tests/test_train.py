@@ -6,12 +6,16 @@ stopped or broken on purpose and must continue from their checkpoints to the ver
 """
 
 import argparse
+import glob
 import json
 import random
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from helpers import (
     digest,
     global_step,
     kill_at,
+    last_step,
     metrics,
     resumable_step,
     resumed_steps,
@@ -278,3 +283,36 @@ def test_every_step_reaches_wandb_in_order_a_log_interval_at_a_time(tmp_path):
     assert [s for s, _ in sent] == list(range(1, 26))
     assert sent[-1][1]["val_loss"] == 2.0
     assert all(None not in m.values() for _, m in sent) and "tokens_per_s" in sent[9][1]
+
+
+def process_state(pid):
+    """(state letter, parent pid) of a process, ("X", "") once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return "X", ""
+    return fields[0], fields[1]
+
+
+def test_a_killed_run_leaves_no_process_and_no_shared_memory(tmp_path, tiny_model):
+    """kill -9 of the trainer mid-run: the data process (Prefetch's) dies with it, and nothing
+    is left in /dev/shm or the temp directory: batches cross a pipe, not shared memory."""
+    def leftovers():
+        return {*glob.glob("/dev/shm/*"), *glob.glob(f"{tempfile.gettempdir()}/pymp-*")}
+
+    def alive(pid):
+        return process_state(pid)[0] not in "XZ"  # (a zombie has no memory left)
+
+    before = leftovers()
+    run = start(train_args(tmp_path, tiny_model, max_steps=10_000), tmp_path / "log.txt")
+    wait_for(lambda: last_step(tmp_path / "run") >= 2, run)
+    children = [int(p.name) for p in Path("/proc").iterdir()
+                if p.name.isdigit() and process_state(p.name)[1] == str(run.pid)]
+    assert children, "the trainer runs its pipeline in a process of its own"
+    run.kill()
+    run.wait()
+    deadline = time.monotonic() + 30
+    while any(map(alive, children)):
+        assert time.monotonic() < deadline, "the data process outlived the trainer"
+        time.sleep(0.01)
+    assert leftovers() <= before
