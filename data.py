@@ -42,6 +42,7 @@ import pickle
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -1798,21 +1799,21 @@ class Batch(Stage):
 class Prefetch(Stage):
     """Runs the upstream pipeline ``depth`` items ahead in a child process forked at the first
     next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, tensors as NumPy
-    arrays (``pin_memory``: pinned on arrival); the child keeps the state after each until
-    asked (state_dict), so only a checkpoint moves a state. ``follow``: the OnlineMixer that
-    learns here (learn_late); every ``every`` items the child takes its state before drawing
-    on. The child dies with this process (PR_SET_PDEATHSIG) and with close()."""
+    arrays (``pin_memory``: pinned on arrival), with the count of bad records skipped so far
+    (``skipped``); the child keeps the state after each until asked (state_dict). ``follow``:
+    the OnlineMixer that learns here (learn_late): every ``every`` items the child takes its
+    state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close()."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1):
         self.src, self.depth = src, depth
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
-        self._ready, self._taken, self._followed = collections.deque(), 0, 0
-        self.skipped = 0  # bad records skipped, up to the last item (a state crosses for saves)
+        self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
 
     def _start(self):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
+            sys.stdout.flush(), sys.stderr.flush()  # (or the child would write them again)
             parent, self._pid = os.getpid(), os.fork()
             if self._pid == 0:
                 self._conn.close()
@@ -1826,7 +1827,7 @@ class Prefetch(Stage):
         while True:
             try:
                 message = self._conn.recv()
-            except EOFError:
+            except (EOFError, ConnectionError):
                 raise RuntimeError(f"Prefetch: the data process {self._pid} ended") from None
             if message[0] == kind:
                 return message
@@ -1897,11 +1898,13 @@ def _serve(conn, src, depth, every, parent):
     """Prefetch's child: hands out an item per credit ("more"), keeping the state after each
     a while ("state"), and loads the mixer's state when told to ("mixer"). Never returns."""
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's: it stops us
             signal.signal(signum, signal.SIG_IGN)
         if os.getppid() != parent:  # (it died before prctl)
-            os._exit(0)
+            return
+        torch.set_num_threads(1)  # its ops are small, and OpenMP's pool did not fork
         gc.freeze()  # the parent's objects stay shared pages: the GC does not write to them
         gc.enable()
         mix = next((stage for stage in _stages(src) if isinstance(stage, Mix)), None)

@@ -232,8 +232,9 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         created = [p for p in (exp_dir, *exp_dir.parents) if not p.exists()]
         exp_dir.mkdir(parents=True, exist_ok=True)
         # Locked for as long as this process lives (two runs there would overwrite each other);
-        # the kernel drops the lock however the process dies.
+        # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
         lock_file = open(exp_dir / ".lock", "w")
+        os.register_at_fork(after_in_child=lock_file.close)
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -540,8 +541,7 @@ def rank_flags(stop, log_step, loader, device):
     run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
     flags = {"stop": torch.full((), float(stop.is_set()), device=device)}
     if log_step:
-        skipped = loader.skipped
-        flags["skipped"] = torch.full((), float(skipped), device=device)
+        flags["skipped"] = torch.full((), float(loader.skipped), device=device)
     return flags
 
 

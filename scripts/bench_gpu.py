@@ -42,14 +42,13 @@ def random_batches_main(kit, argv):
     import data
     import train_llm
 
-    class RandomBatches:
-        def __init__(self, batch_size, seq_length, vocab, pin_memory):
-            self.shape, self.vocab, self.pin_memory = (batch_size, seq_length), vocab, pin_memory
+    class RandomBatches(data.Stage):
+        def __init__(self, batch_size, seq_length, vocab):
+            self.shape, self.vocab = (batch_size, seq_length), vocab
             self.generator = torch.Generator().manual_seed(0)
 
         def __next__(self):
-            ids = torch.randint(self.vocab, self.shape, generator=self.generator)
-            return {"input_ids": ids.pin_memory() if self.pin_memory else ids}
+            return {"input_ids": torch.randint(self.vocab, self.shape, generator=self.generator)}
 
         def state_dict(self):
             return {"epoch": 0}  # what the trainer reads of a source's state
@@ -65,9 +64,9 @@ def random_batches_main(kit, argv):
     def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, **kwargs):
         if not train:
             return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
-        source = RandomBatches(args.batch_size, args.seq_length, len(tokenizer),
-                               kwargs.get("pin_memory", False))
-        return data.Prefetch(source, depth=args.grad_accum + 1)
+        source = RandomBatches(args.batch_size, args.seq_length, len(tokenizer))
+        return data.Prefetch(source, depth=args.grad_accum + 1,
+                             pin_memory=kwargs.get("pin_memory", False))
 
     train_llm.build_pipeline = build_pipeline
     sys.argv = ["train_llm.py", *argv]

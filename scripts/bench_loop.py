@@ -10,7 +10,7 @@ shipped model ÷ plain GPT of the same shape) are each one number.
 
 "kit" is train_llm.main() as a user runs it, with the demo's defaults (wandb offline, the
 progress bar, metrics.jsonl, the log every --log-freq steps, Python's GC every --gc-freq), its
-data pipeline replaced by the pre-made batches behind the kit's own Prefetch thread; validation
+data pipeline replaced by the pre-made batches behind the kit's own Prefetch; validation
 and checkpoints are put past the measured steps. "bare" is a loop of forward, F.cross_entropy,
 backward, clip_grad_norm_, an AdamW step with the lr set by hand, and loss.item(): the loop of
 nanoGPT's train.py without its extras. "plain" is a GPT written here in 40 lines: token and
@@ -141,7 +141,7 @@ class BareLoop:
 
 class Interleaved:
     """The kit's loader: before each of the kit's steps, one step of every bare loop; then the
-    next batch, through the kit's own Prefetch thread. The kit's step is timed from the end of
+    next batch, through the kit's own Prefetch. The kit's step is timed from the end of
     the bare steps to the start of the next ones (its data fetch included)."""
 
     def __init__(self, inner, bare, grad_accum, cuda):
@@ -168,13 +168,15 @@ class Interleaved:
 class Premade:
     """The pre-made batches as a pipeline stage: what the trainer reads of a loader."""
 
-    def __init__(self, items, pin_memory):
-        self.items, self.pin_memory, self.n = items, pin_memory, 0
+    src = None  # (a source: nothing upstream)
+
+    def __init__(self, items):
+        self.items, self.n = items, 0
 
     def __next__(self):
         ids = self.items[self.n % len(self.items)]
         self.n += 1
-        return {"input_ids": ids.pin_memory() if self.pin_memory else ids}
+        return {"input_ids": ids}
 
     def state_dict(self):
         return {"epoch": 0, "n": self.n}
@@ -204,9 +206,9 @@ def run(kit_model, bare_models, steps, flags, out):
         items = batches(args, len(tokenizer), 64)
         device = torch_device(args)
         bare = [BareLoop(kind, args, device, items, shipped) for kind in bare_models]
-        source = Premade(items, kwargs.get("pin_memory", False))
-        loaders.append(Interleaved(data.Prefetch(source, depth=args.grad_accum + 1), bare,
-                                   args.grad_accum, device.type == "cuda"))
+        loaders.append(Interleaved(data.Prefetch(Premade(items), depth=args.grad_accum + 1,
+                                                 pin_memory=kwargs.get("pin_memory", False)),
+                                   bare, args.grad_accum, device.type == "cuda"))
         return loaders[-1]
 
     train_llm.build_pipeline = build_pipeline

@@ -32,13 +32,13 @@ from helpers import (
     export,
     final_model,
     kill_at,
-    leftover,
     loader_states,
     metrics,
     ranks_command,
     resumable_step,
     resumed_steps,
     run_ranks,
+    stage,
     word_tokenizer,
     write_corpus,
 )
@@ -92,9 +92,13 @@ def test_reshard_trains_every_document_exactly_once(tmp_path_factory, p):
             for batch in pipe if last else Take(pipe, next(cuts)):
                 emitted += batch["input_ids"].flatten().tolist()
             new_states.append(json.loads(json.dumps(pipe.state_dict())))
-            if last:
-                leftovers += leftover(new_states[-1])
             pipe.close()
+            if last:  # what Prefetch's process read past its last batch, read again here
+                pipe = pipeline(urls, rank, world, p).src
+                pipe.load_state_dict(new_states[-1]["upstream"])
+                emitted += [t for batch in pipe for t in batch["input_ids"].flatten().tolist()]
+                chunker = stage(pipe, data.ConcatChunk)
+                leftovers += chunker.buf[chunker.pos:].tolist()
         states = new_states
 
     tokens = emitted + leftovers
@@ -140,25 +144,37 @@ def test_every_stage_passes_on_every_document_once_per_epoch(tmp_path_factory, p
         lambda pipe: data.Batch(pipe, p["batch"]),
         lambda pipe: data.Prefetch(pipe),
     ]
+    def build(rank, depth):
+        pipe = data.Files(urls, epochs=p["epochs"], repeat=True, seed=p["seed"],
+                          shuffle_shards=p["shuffle_shards"], rank=rank, world_size=p["world"],
+                          n_active_shards=p["slots"])
+        for make in stages[:depth]:
+            pipe = make(pipe)
+        return pipe
+
+    def ids_in(pipe, depth):
+        if depth == 0:
+            return [int(item["text"].split()[0][1:]) for item in pipe]
+        return [ID_OF[t] for item in pipe
+                for t in torch.as_tensor(item["input_ids"]).flatten().tolist() if t in ID_OF]
+
     for depth in range(len(stages) + 1):
         ids = []
         for rank in range(p["world"]):
             try:
-                pipe = data.Files(urls, epochs=p["epochs"], repeat=True, seed=p["seed"],
-                                  shuffle_shards=p["shuffle_shards"], rank=rank,
-                                  world_size=p["world"], n_active_shards=p["slots"])
+                pipe = build(rank, depth)
             except data.SplitError:  # fewer lines than slots: nothing to check
                 return
-            for make in stages[:depth]:
-                pipe = make(pipe)
-            for item in pipe:
-                if depth == 0:
-                    ids.append(int(item["text"].split()[0][1:]))
-                else:
-                    ids += [ID_OF[t] for t in torch.as_tensor(item["input_ids"]).flatten().tolist()
-                            if t in ID_OF]
+            ids += ids_in(pipe, depth)
+            if isinstance(pipe, data.Prefetch):  # its stages ran in its process: what they read
+                state = pipe.state_dict()["upstream"]  # past its last item is read again here
+                pipe.close()
+                pipe = build(rank, depth - 1)
+                pipe.load_state_dict(state)
+                ids += ids_in(pipe, depth - 1)
             if depth >= 3:  # ConcatChunk's last, incomplete chunk
-                ids += [ID_OF[t] for t in leftover(pipe.state_dict()) if t in ID_OF]
+                chunker = stage(pipe, data.ConcatChunk)
+                ids += [ID_OF[t] for t in chunker.buf[chunker.pos:].tolist() if t in ID_OF]
             pipe.close()
         assert collections.Counter(ids) == collections.Counter(
             {doc: p["epochs"] for doc in range(n_docs)}), f"after {depth} stages"
