@@ -27,6 +27,7 @@ import transformers
 import yaml
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
 KIT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(KIT))
@@ -141,8 +142,16 @@ def main():
                              "(default: the one the run recorded)")
     args = parser.parse_args()
     names = [name for name in args.tasks.split(",") if name]
+    if not names:
+        sys.exit("--tasks names no task: pass the kit's (kit_cloze, kit_bpb) or lm-eval's")
     if all((SHIPPED / f"{name}.yaml").is_file() for name in names):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files: never the network
+    tasks = TaskManager()  # lm-eval's index of its tasks, before the model loads
+    unknown = [name for name in names
+               if not (SHIPPED / f"{name}.yaml").is_file() and name not in tasks.all_tasks]
+    if unknown:
+        sys.exit(f"--tasks: no task is named {', '.join(unknown)}. The kit ships kit_cloze and "
+                 "kit_bpb; `lm_eval --tasks list` lists lm-eval's.")
 
     kit = project.project_utils(args.model, args.script)
     model, tokenizer, config = kit.load_trained(args.model, script=args.script)
@@ -154,7 +163,7 @@ def main():
     lm = KitLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
                batch_size=args.batch_size, device=str(args.device), bos_first=layout != "chat")
     results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit,
-                              apply_chat_template=chat)
+                              apply_chat_template=chat, task_manager=tasks)
     table = scores(results)
     print("| task | metric | value |\n|---|---|---:|")
     for task, metrics in table.items():

@@ -77,6 +77,8 @@ def main():
     if tokenizer.eos_token_id is None:
         sys.exit(f"--tokenizer {args.tokenizer} has no EOS token: token files tell documents "
                  "apart by EOS")
+    if args.out.exists() and not args.out.is_dir():
+        sys.exit(f"--out {args.out} is a file: give the directory to write the token files in")
     urls = data.expand_urls(args.data)
     if any("://" in url for url in urls):
         sys.exit("--data: local files only (copy remote shards first)")
@@ -96,6 +98,10 @@ def main():
         if out in outs.values():
             sys.exit(f"{url} and another shard would both be written as {out}: nothing written")
         outs[url] = out
+    there = [out for out in outs.values() if out.exists()]
+    if there:  # (perhaps not this script's: never written over)
+        sys.exit(f"{there[0]} exists ({len(there)} of the {len(outs)} files to write do): nothing "
+                 "written; move them away, or pick another --out")
     for url, out in outs.items():
         ids = token_ids(url, tokenizer, args.column, tokenizer.eos_token_id,
                         eos_first=args.layout == "llmc", dtype=dtype)

@@ -36,6 +36,22 @@ def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
     assert lines[1]["bits_per_byte"] == pytest.approx(scores["kit_bpb", "bits_per_byte"], abs=1e-4)
 
 
+@pytest.mark.parametrize("tasks", ["", ","])
+def test_a_tasks_flag_that_names_no_task_is_refused(tasks, tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit, match="--tasks names no task"):
+        script("evaluate", [tmp_path / "no-run-here", "--tasks", tasks], capsys, monkeypatch)
+
+
+@pytest.mark.slow
+def test_tasks_that_do_not_exist_are_refused_by_name_before_the_model_loads(
+        tmp_path, capsys, monkeypatch):
+    """An unknown --tasks name is one paragraph naming it (no KeyError traceback from
+    lm-eval), said before any model is looked for; known ones (the kit's, lm-eval's) pass."""
+    with pytest.raises(SystemExit, match="no task is named nonexistent_task, no_such[.] The kit"):
+        script("evaluate", [tmp_path / "no-run-here", "--tasks",
+                            "kit_bpb,nonexistent_task,arc_easy,no_such"], capsys, monkeypatch)
+
+
 def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
     """The kit's instruction template, given to lm-eval as a chat template, lays a prompt out
     exactly as FormatInstructions trained it (and as generate.py prompts), text taken as is."""

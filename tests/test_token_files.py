@@ -245,6 +245,22 @@ def test_make_token_shards_refuses_two_shards_of_one_name(tmp_path, capsys, monk
     assert not (tmp_path / "out2").exists()
 
 
+def test_make_token_shards_never_writes_over_a_file(tmp_path, capsys, monkeypatch):
+    """A file where a token file would go (perhaps the user's own, perhaps an earlier run's)
+    is left as it was, and nothing is written; --out at a file is refused by name."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/train-000.bin").write_text("MINE")
+    shard = ROOT / "data/sample/prose/train-000.jsonl"
+    with pytest.raises(SystemExit, match=r"train-000.bin exists \(1 of the 1 .*nothing written"):
+        script("make_token_shards", ["--data", shard, "--out", tmp_path / "out"], capsys,
+               monkeypatch)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["train-000.bin"]
+    assert (tmp_path / "out/train-000.bin").read_text() == "MINE"
+    with pytest.raises(SystemExit, match="--out .*out/train-000.bin is a file"):
+        script("make_token_shards", ["--data", shard, "--out", tmp_path / "out/train-000.bin"],
+               capsys, monkeypatch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["nanogpt", "llmc", "npy"])
 def test_token_files_made_from_the_corpus_train_as_its_text_does(
