@@ -152,3 +152,5 @@ if __name__ == "__main__":
         main()
     except OSError as e:  # a missing or damaged run, an --out that is not ours, a full disk
         sys.exit(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:  # (a half-written export is written over by the same command)
+        sys.exit("Stopped (Ctrl-C). The same command exports again, over what this one left.")

@@ -159,6 +159,23 @@ def same_weights(a, b):
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_an_export_is_one_line(four_steps, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while export_hf.py works (here: while it loads the checkpoint) ends it with one
+    line that says what to do, not a KeyboardInterrupt traceback."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import project
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(project, "load_trained", interrupted)
+    try:
+        with pytest.raises(SystemExit, match=r"Stopped \(Ctrl-C\)\. The same command exports"):
+            script("export_hf", [copy_run(four_steps, tmp_path)], capsys, monkeypatch)
+    except KeyboardInterrupt:  # (not this session's: pytest would stop every test)
+        pytest.fail("export_hf.py let a KeyboardInterrupt through")
+
+
 def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, capsys,
                                                         monkeypatch):
     """`export_hf.py RUN --out DIR` where DIR is not an export of the kit (the directory of
