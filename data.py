@@ -1253,7 +1253,7 @@ class Tokenize(Stage):
         self.config = {"tokenizer": name, "vocab_size": vocab, "column": column,
                        "batch_size": batch_size, "add_special_tokens": add_special_tokens,
                        "max_chars": max_chars}
-        self._pool, self._per_thread = None, None  # _per_thread: see _work
+        self._pool, self._per_thread = None, threading.local()  # _per_thread: see _work
         self._popped = 0                      # batches taken by __next__ (see _work)
         self._inflight = collections.deque()  # (upstream states, future) of each batch
         self._batch, self._pos = [], 0        # the batch being handed out and our place in it
@@ -1326,7 +1326,6 @@ class Tokenize(Stage):
         if samples:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
-                self._per_thread = threading.local()
             seq = self._popped + len(self._inflight)  # the batch's number, from 0
             self._inflight.append((states, self._pool.submit(self._work, samples, seq)))
 
@@ -1819,33 +1818,34 @@ class Prefetch(Stage):
                 self._conn.close()
                 _serve(theirs, self.src, self.depth, self.every if self.follow else 0, parent)
             theirs.close()
-            self._conn.send(("more", self.depth))
-            weakref.finalize(self, _stop, self._conn, self._pid)  # (also at exit)
+            self._stop = weakref.finalize(self, _stop, self._conn, self._pid)  # (or at exit)
+            self._ask(("more", self.depth))
 
-    def _receive(self, kind):
-        """The child's next message of ``kind``: items that come before it wait in _ready."""
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, ConnectionError):
-                raise RuntimeError(f"Prefetch: the data process {self._pid} ended") from None
-            if message[0] == kind:
-                return message
-            self._ready.append(message)
+    def _ask(self, message, kind=None):
+        """Sends ``message`` (if any), then returns the child's next message of ``kind`` (items
+        that come before it wait in _ready). A child that is gone is one paragraph."""
+        try:
+            if message:
+                self._conn.send(message)
+            while kind and (reply := self._conn.recv())[0] != kind:
+                self._ready.append(reply)
+            return reply if kind else None
+        except (EOFError, OSError):
+            raise ChildProcessError(f"data.Prefetch's process ({self._pid}) ended (the kernel "
+                                    "kills the largest process when memory runs out)") from None
 
     def _follow(self):
         """At a step's end: the mixer as learn_late left it, for the child's next draws."""
         if self.follow and self._taken % self.every == 0 and \
                 self._taken // self.every > self._followed:
-            self._conn.send(("mixer", self.follow.state_dict()))
+            self._ask(("mixer", self.follow.state_dict()))
             self._followed += 1
 
     def peek(self):
-        """Waits for the first item without handing it out, and raises what making it raised
-        (a shard changed since the state was saved, a bad record)."""
+        """Waits for the first item, and raises what making it raised (first_read)."""
         self._start()
         if not self._ready:
-            self._ready.append(self._receive("item"))
+            self._ready.append(self._ask(None, "item"))
         if self._ready[0][3] is not None and not isinstance(self._ready[0][3], StopIteration):
             raise self._ready[0][3]
 
@@ -1855,25 +1855,23 @@ class Prefetch(Stage):
         self._start()
         self._follow()
         _, item, self.skipped, error = self._ready.popleft() if self._ready else \
-            self._receive("item")
+            self._ask(None, "item")
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
-        self._conn.send(("more", 1))
+        self._ask(("more", 1))
         self._taken += 1
         if not isinstance(item, dict):
             return item
-        item = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                for k, v in item.items()}
-        return {k: v.pin_memory() if self.pin_memory and isinstance(v, torch.Tensor) else v
+        pin = torch.Tensor.pin_memory if self.pin_memory else lambda tensor: tensor
+        return {k: pin(torch.from_numpy(v)) if isinstance(v, np.ndarray) else v
                 for k, v in item.items()}
 
     def state_dict(self):
         if not self._taken:  # (this process's copy never runs: its state is the start's)
             return self._state(upstream=self.src.state_dict())
         self._follow()
-        self._conn.send(("state", self._taken - 1))
-        return self._state(upstream=self._receive("state")[1])
+        return self._state(upstream=self._ask(("state", self._taken - 1), "state")[1])
 
     def load_state_dict(self, state):
         if self._pid is not None:
@@ -1883,7 +1881,7 @@ class Prefetch(Stage):
     def close(self):
         self._end = RuntimeError("Prefetch: next() after close()")
         if self._pid:
-            _stop(self._conn, self._pid)
+            self._stop()  # (once: a reaped child's pid may be another process's by now)
 
 
 def _stop(conn, pid):
@@ -1931,7 +1929,7 @@ def _serve(conn, src, depth, every, parent):
                 if isinstance(item, dict):
                     item = {k: v.numpy() if isinstance(v, torch.Tensor) else v
                             for k, v in item.items()}
-            conn.send(("item", item, skipped_records(states.get(made)), error))
+            conn.send(("item", item, skipped_records(states.get(made - ended)), error))
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
         pass

@@ -4,6 +4,8 @@ import gzip
 import itertools
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -318,6 +320,18 @@ def test_prefetch_close_ends_its_process():
     assert Path(f"/proc/{pid}").exists()
     p.close()
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped
+
+
+def test_a_prefetch_whose_process_was_killed_says_so_in_one_paragraph():
+    """(The kernel's OOM killer picks the largest process: a ChildProcessError, an OSError, is
+    the trainer's one paragraph, not a broken pipe's traceback.)"""
+    p = Prefetch(Sequence(range(100), repeat=True), 2)
+    next(p)
+    os.kill(p._pid, signal.SIGKILL)
+    with pytest.raises(ChildProcessError, match=r"data.Prefetch's process \(\d+\) ended"):
+        for _ in range(5):  # (the items already on their way come first)
+            next(p)
+    p.close()
 
 
 @pytest.mark.slow
