@@ -403,13 +403,6 @@ def stage(pipe, cls):
     return pipe
 
 
-def leftover(state):
-    """ConcatChunk's tokens not yet emitted, from a pipeline's state (a Prefetch runs its own
-    copy of the stages above it in a process: this process's copy never moves)."""
-    while "rest" not in state:
-        state = state["upstream"]
-    return state["rest"]
-
 
 def older_tokenize_state(tokenize, upstream, handed):
     """A Tokenize state as older versions saved it: the upstream state before its batch, the
