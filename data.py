@@ -17,12 +17,10 @@ The file reads top to bottom in the order a sample meets the stages:
     Mixing domains          OnlineMixer, learn_late, Mix
     Resharding              reshard: the states of W ranks loaded into one of W' ranks
     The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
-                            parse_mix, domain_weights, validation_set, skipped_records,
-                            source_epoch
+                            natural_sizes, validation_set, skipped_records, source_epoch
     Other stages            Map, Filter
 """
 
-import argparse
 import array
 import codecs
 import collections
@@ -305,11 +303,8 @@ class Shards:
     def open(self, url, at=0):
         """The shard for bytes, from byte ``at``: one request there on S3 and HTTP, not one
         from byte 0 and another after a seek (which would also throw away a socket buffer)."""
-        params, http = self.transport_params or {}, url.startswith(("http://", "https://"))
-        if url.startswith("s3://"):  # no GET until the first seek or read: one request, there
-            params = {"defer_seek": True, **params}
-        if http:  # a server that never answers: a fault
-            params = {"timeout": HTTP_TIMEOUT, **params}
+        params, http = {**_one_owner(url), **(self.transport_params or {})}, url.startswith(
+            ("http://", "https://"))
         if http and at:  # (positions then count from ``at``: such a shard is only read on)
             params["headers"] = {"Accept-Encoding": "identity", **params.get("headers", {}),
                                  "Range": f"bytes={at}-"}
@@ -1001,6 +996,23 @@ HTTP_TIMEOUT = (10, 60)
 # Seconds that faults in a row are retried at most, whatever fills them (backoff, reads that
 # time out): a silent server fails in about this time, not in retries x the read timeout.
 RETRY_TIME = 240
+
+
+
+def _one_owner(url):
+    """smart_open's transport_params that leave _Retry the one owner of retries: a request
+    times out after HTTP_TIMEOUT and the SDK does not retry it (nested retries held a run on a
+    silent S3 server for hours). S3 also sends no GET until the first read: one request, there."""
+    if url.startswith("s3://"):
+        import botocore.config
+        config = botocore.config.Config(connect_timeout=HTTP_TIMEOUT[0], retries={
+            "total_max_attempts": 1}, read_timeout=HTTP_TIMEOUT[1])
+        return {"defer_seek": True, "client_kwargs": {"S3.Client": {"config": config}}}
+    once = {"timeout": HTTP_TIMEOUT, "retry": None}  # (google-cloud-storage's arguments)
+    if url.startswith("gs://"):
+        return {"get_blob_kwargs": once, "blob_open_kwargs": once}
+    return {"timeout": HTTP_TIMEOUT} if url.startswith(("http://", "https://")) else {}
+
 
 # Network faults worth retrying, matched by class name so that data.py need not import every
 # cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
@@ -1801,10 +1813,13 @@ class Prefetch(Stage):
     arrays (``pin_memory``: pinned on arrival), with the count of bad records skipped so far
     (``skipped``); the child keeps the state after each until asked (state_dict). ``follow``:
     the OnlineMixer that learns here (learn_late): every ``every`` items the child takes its
-    state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close()."""
+    state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close().
+    ``until``: an Event; once it is set, a next() whose item is a second late gives back the
+    items of the step begun (``every`` a step), the child drops its read, and next() raises
+    StopIteration with ``interrupted`` True: state_dict() is then the last whole step's."""
 
-    def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1):
-        self.src, self.depth = src, depth
+    def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
+        self.src, self.depth, self.until, self.interrupted = src, depth, until, False
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
@@ -1854,8 +1869,7 @@ class Prefetch(Stage):
             raise self._end
         self._start()
         self._follow()
-        _, item, self.skipped, error = self._ready.popleft() if self._ready else \
-            self._ask(None, "item")
+        _, item, self.skipped, error = self._ready.popleft() if self._ready else self._item()
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
@@ -1866,6 +1880,16 @@ class Prefetch(Stage):
         pin = torch.Tensor.pin_memory if self.pin_memory else lambda tensor: tensor
         return {k: pin(torch.from_numpy(v)) if isinstance(v, np.ndarray) else v
                 for k, v in item.items()}
+
+    def _item(self):
+        """The child's next item, or StopIteration once ``until`` is set and it is late."""
+        while self.until is not None and not self._conn.poll(1):
+            if self.until.is_set():  # (a signal while a read hangs: the run saves and ends)
+                os.kill(self._pid, signal.SIGUSR1)  # the child then only answers "state"
+                self._taken -= self._taken % self.every
+                self._end, self.interrupted = StopIteration(), True
+                raise self._end
+        return self._ask(None, "item")
 
     def state_dict(self):
         if not self._taken:  # (this process's copy never runs: its state is the start's)
@@ -1906,7 +1930,13 @@ def _serve(conn, src, depth, every, parent):
         gc.freeze()  # the parent's objects stay shared pages: the GC does not write to them
         gc.enable()
         mix = next((stage for stage in _stages(src) if isinstance(stage, Mix)), None)
-        states, made, credit, followed, ended = {}, 0, 0, 0, False
+        states, made, credit, followed, ended, reading = {}, 0, 0, 0, False, [False]
+
+        def drop(signum, frame):  # Prefetch gave up waiting (until): no item is wanted now
+            reading.append(signum)
+            if reading[0]:
+                raise _Dropped
+        signal.signal(signal.SIGUSR1, drop)
         while True:
             if ended or not credit or every and made and made % every == 0 and \
                     followed < made // every or conn.poll():
@@ -1920,9 +1950,17 @@ def _serve(conn, src, depth, every, parent):
                     conn.send(("state", states[arg]))
                 continue
             try:
+                reading[0] = True
+                if len(reading) > 1:
+                    raise _Dropped
                 item, error = next(src), None
+            except _Dropped:  # (the pipeline is broken now: states are all it has left)
+                ended = True
+                continue
             except Exception as e:  # (StopIteration too) crosses with the child's traceback
                 item, error, ended = None, _portable(e), True
+            finally:
+                reading[0] = False
             if not ended:
                 states[made] = src.state_dict()
                 states.pop(made - depth - 2, None)
@@ -1937,6 +1975,10 @@ def _serve(conn, src, depth, every, parent):
         traceback.print_exc()
     finally:
         os._exit(0)  # never the parent's atexit handlers
+
+
+class _Dropped(BaseException):
+    """Raised in Prefetch's child to end a read that its parent no longer waits for."""
 
 
 def _portable(error):
@@ -2127,7 +2169,7 @@ class Resharding:
 
 
 # ----------------------------------------------------------------------------------------------
-# The trainer's wiring: source, sft_format, find_domains, domain_weights, validation_set, and
+# The trainer's wiring: source, sft_format, find_domains, natural_sizes, validation_set, and
 # reading a pipeline's state (skipped_records, source_epoch)
 # ----------------------------------------------------------------------------------------------
 
@@ -2218,35 +2260,6 @@ def find_domains(pattern, like=None):
     return {name: f"{root}/{glob.escape(name)}/{rest}" for name in names}
 
 
-def parse_mix(text):
-    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
-    weights = {}
-    for item in text.split(","):
-        name, equals, value = item.partition("=")
-        try:
-            weight = float(value) if equals and name else None
-        except ValueError:
-            weight = None
-        if weight is None:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
-        if name in weights:
-            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
-        weights[name] = weight
-    if not any(weights.values()):
-        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
-    return weights
-
-
-def mix_weights(text):
-    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint);
-    "natural" weighs each domain by its size, measured when the run starts (fresh_state)."""
-    if text != "natural":
-        parse_mix(text)
-    return text
-
-
 def natural_sizes(pattern):
     """{domain: bytes of its files, as stored} (--mix natural: what plain concatenation samples
     by; bytes are known without reading the data). Compressed beside plain shards: a warning."""
@@ -2258,19 +2271,6 @@ def natural_sizes(pattern):
                     "times less than it reads. Give the weights (--mix NAME=W,...) instead.",
                     ", ".join(name for name, flags in packed.items() if any(flags)))
     return {name: sum(map(os.path.getsize, urls)) for name, urls in shards.items()}
-
-
-def domain_weights(domains, given=None):
-    """The mixture's initial weights in the order of ``domains``, summing to 1: ``given``
-    ({domain: weight >= 0}, every domain once), or uniform."""
-    if given is None:
-        return [1 / len(domains)] * len(domains)
-    unknown = set(given) - set(domains)
-    if unknown or len(given) != len(domains):
-        raise DataError(f"--mix gives weights to {sorted(given)}: give a weight to each "
-                        f"domain of {domains}; unknown: {sorted(unknown)}")
-    weights = [given[name] for name in domains]
-    return [w / sum(weights) for w in weights]  # (summed in domain order: the same bits)
 
 
 def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, asked=None):

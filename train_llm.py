@@ -35,6 +35,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
+import trained
 import utils
 
 LOGGER = utils.LOGGER
@@ -96,12 +97,12 @@ def main():
     run.begin_training(args, ctx, train_loader, extra)  # forget what a killed run did after it
     losses = compile_model(model, args)  # --compile: the model, in place, and the loss
 
-    stop = utils.stop_on_signals()  # SIGTERM, Ctrl-C: finish the step, save, exit
+    stop = utils.stop_on_signals(train_loader)  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
     save = functools.partial(save_checkpoint, run, model, optimizers, schedulers, extra,
                              train_loader, args, ctx, writer)
     validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
-                                 tokenizer, args, utils.prompt_format(state["config"]), stop)
+                                 tokenizer, args, trained.prompt_format(state["config"]), stop)
     # Each step's numbers, summed over ranks on the GPU, are read a step later: no wait for it.
     in_flight = utils.StepNumbers(ctx, run, train_loader, writer)  # (not finite: the run ends)
     timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
@@ -121,9 +122,9 @@ def main():
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
             if not utils.data_left(batches, step, args, ctx, train_loader, tokenizer):
                 log_steps(in_flight.ready(wait=True), log, domains, state, args)
-                if log.last and "val_loss" not in log.last:  # validate the last step anyway
-                    log.rewrite_last(validate())
-                state["data_exhausted"] = True  # (--epochs): the run is done
+                if log.last and "val_loss" not in log.last and not stop.is_set():
+                    log.rewrite_last(validate())  # validate the last step anyway
+                state["data_exhausted"] = not stop.is_set()  # (--epochs): the run is done
                 save()
                 break
 
@@ -177,8 +178,8 @@ def parse_args(argv=None):
     args.tokenizer = args.tokenizer or utils.trained_tokenizer(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
-    if args.sample_prompt is None:
-        args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task]
+    args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task] if args.sample_prompt is None else \
+        args.sample_prompt
     utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT, create_model=create_model)
     return args
 
@@ -231,7 +232,7 @@ def create_model(args):
     The one place for a model of your own: any nn.Module whose forward takes ``input_ids=``
     and ``position_ids=`` (and ignores other keywords) and returns an object with ``.logits``.
     A run records this file's path: --init-from, generate.py and export_hf.py rebuild its
-    model with this function, from the flags the run recorded (utils.load_trained)."""
+    model with this function, from the flags the run recorded (trained.load_trained)."""
     config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
     return AutoModelForCausalLM.from_config(config)
 
@@ -242,14 +243,13 @@ def build_model(args, device):
     (--init-from: pretrain -> SFT). Float32 weights (autocast does bf16 on a GPU)."""
     tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
     if args.init_from:  # its architecture too: --model-name is not used
-        model = utils.load_trained(args.init_from)[0]
+        model = trained.load_trained(args.init_from)[0]
     elif args.init_from_pretrained:
         model = utils.pretrained(AutoModelForCausalLM, args.model_name, "--model-name",
                                  use_cache=False, dtype=torch.float32)
     else:
         model = create_model(args)
-    # Tokenizer and --seq-length against its embeddings; a model of your own against the flags.
-    utils.check_model(model, tokenizer, args)
+    utils.check_model(model, tokenizer, args)  # the tokenizer, --seq-length, the flags
     utils.skip_mask_checks(model)  # transformers' checks of each batch: each waits for the GPU
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -329,8 +329,8 @@ def mixture(args, state):
     if not args.mix and args.odm == "off":
         return [], None, None
     domains = list(data.find_domains(args.dataset))
-    given = state["config"].get("mix_weights") or args.mix and data.parse_mix(args.mix)
-    weights = data.domain_weights(domains, given or None)
+    given = state["config"].get("mix_weights") or args.mix and utils.parse_mix(args.mix)
+    weights = utils.domain_weights(domains, given or None)
     mixer = data.OnlineMixer(weights, variant=args.odm, alpha=args.odm_alpha,
                              warmup_steps=args.odm_warmup_steps) if args.odm != "off" else None
     return domains, weights, mixer
@@ -560,7 +560,7 @@ def validation_metrics(model, batches, ctx, domains, tokenizer, args, prompt_for
     metrics = {"val_loss": val_loss,
                **{f"val_loss/{name}": loss for name, loss in zip(domains, per_domain)}}
     if args.sample_tokens:  # remove these two lines and the sample is gone
-        metrics["sample"] = utils.sample(model, tokenizer, args, ctx, prompt_format)
+        metrics["sample"] = trained.sample(model, tokenizer, args, ctx, prompt_format)
     return metrics
 
 
@@ -686,7 +686,7 @@ def get_parser():
         help="seconds a collective may wait for the other ranks after the first step")
 
     add = parser.add_argument_group("mixing domains").add_argument
-    add("--mix", default=None, metavar="NAME=W,...", type=data.mix_weights,
+    add("--mix", default=None, metavar="NAME=W,...", type=utils.mix_weights,
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights (e.g. code=0.4,prose=0.6), or natural: by the bytes of their files")
     add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",

@@ -1,6 +1,6 @@
 """The machinery behind train_llm.py: what keeps a run safe and measures it. Nothing here
 decides how training goes (that is the script's), and nothing here imports the script: a run
-records its script's path, and the model is rebuilt from it (load_trained).
+records its script's path, and the model is rebuilt from it (trained.load_trained).
 
     Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
     The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
@@ -8,7 +8,7 @@ records its script's path, and the model is rebuilt from it (load_trained).
     Measuring            Timer, GarbageCollection, memory, MFU
     Distributed          joining the process group, gradient sync, all-reduces
     RNGs                 RNG states, the states of several optimizers
-    Models               unwrap, check_model, load_trained/rebuild_model, generate
+    Models               unwrap, check_model, pretrained (trained.py: a trained model)
     Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
                          bytes: write_checkpoint, DirectFile, BackgroundWriter,
                          run_state (where a run resumes from), discard_after
@@ -25,7 +25,6 @@ import fcntl
 import gc
 import glob
 import hashlib
-import importlib.util
 import itertools
 import json
 import logging
@@ -39,10 +38,8 @@ import shlex
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
-import types
 import uuid
 from pathlib import Path
 
@@ -110,6 +107,48 @@ def torch_device(text):
         raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
                                          "GPU(s)")
     return text
+
+
+def parse_mix(text):
+    """--mix name=weight,...: a dict of finite weights >= 0, not all zero, each name once."""
+    weights = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        try:
+            weight = float(value) if equals and name else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
+        if not (math.isfinite(weight) and weight >= 0):
+            raise argparse.ArgumentTypeError(f"{name}={value}: a weight is a finite number >= 0")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"{name!r} is given twice")
+        weights[name] = weight
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError("every weight is 0: nothing to draw from")
+    return weights
+
+
+def mix_weights(text):
+    """An argparse type: --mix checked by parse_mix, kept as typed (it is in the fingerprint);
+    "natural" weighs each domain by its size, measured when the run starts (fresh_state)."""
+    if text != "natural":
+        parse_mix(text)
+    return text
+
+
+def domain_weights(domains, given=None):
+    """The mixture's initial weights in the order of ``domains``, summing to 1: ``given``
+    ({domain: weight >= 0}, every domain once), or uniform."""
+    if given is None:
+        return [1 / len(domains)] * len(domains)
+    unknown = set(given) - set(domains)
+    if unknown or len(given) != len(domains):
+        raise data.DataError(f"--mix gives weights to {sorted(given)}: give a weight to each "
+                        f"domain of {domains}; unknown: {sorted(unknown)}")
+    weights = [given[name] for name in domains]
+    return [w / sum(weights) for w in weights]  # (summed in domain order: the same bits)
 
 
 # The flags whose defaults are files shipped next to the script (assets/, data/).
@@ -509,12 +548,13 @@ class MetricsLog:
             self.wandb.finish()
 
 
-def stop_on_signals():
+def stop_on_signals(loader):
     """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
-    step in flight finishes, a checkpoint is saved, and the process exits 0. A second signal
-    kills at once, which is safe too: the last complete checkpoint stays loadable. (torchrun
-    forwards SIGTERM to every rank; the ranks agree on stopping at the same step.)"""
-    stop = threading.Event()
+    step in flight finishes, a checkpoint is saved, and the process exits 0; a loader stuck on
+    a read gives up its step (data.Prefetch's until). A second signal kills at once, which is
+    safe too: the last complete checkpoint stays loadable. (torchrun forwards SIGTERM to every
+    rank; the ranks agree on stopping at the same step.)"""
+    stop = loader.until = threading.Event()
 
     def request_stop(signum, frame):
         if RUN is not None and not RUN.stepped:
@@ -552,6 +592,13 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
     together, or the others would wait forever in the next all-reduce. A new run's first step
     must hold something to train on: no data at all, or only special tokens, is refused.
     """
+    if getattr(loader, "interrupted", False):  # a signal while a read hung: no step to take
+        if ctx.world_size > 1:  # (other ranks may be in this step's all-reduce: no save with them)
+            sys.exit("Stopped by the signal while the data loader waited on a read, without a "
+                     "checkpoint (the ranks cannot agree on one): rerun to resume from the last.")
+        LOGGER.warning(f"The signal came while the data loader waited on a read: saving step "
+                       f"{step - 1}, the last one taken")
+        return False
     left = None not in batches
     if args.epochs and ctx.world_size > 1:
         left = all_ranks(left, ctx.cpu_group)
@@ -1011,7 +1058,7 @@ def set_rng_state(state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: checks, a trained model loaded (load_trained), sampling
+# Models: unwrap, the checks before training, a pretrained model (trained.py: a trained one)
 # ----------------------------------------------------------------------------------------------
 
 def unwrap(model):
@@ -1118,90 +1165,29 @@ def trained_tokenizer(path):
     if not Path(path).exists() or (Path(path) / "config.json").exists():
         return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
     try:
-        return json.loads((find_checkpoint(path) / "state.json").read_text())["config"][
-            "tokenizer"]
+        return read_checkpoint(path, lambda ckpt: json.loads((ckpt / "state.json").read_text()))[
+            "config"]["tokenizer"]
     except (OSError, ValueError, KeyError, SystemExit):
         return None
 
 
-def checkpoint_weights(ckpt_dir, name="model"):
-    """A full state dict of a checkpoint: NAME.pt, or NAME's part of the DCP shards that --fsdp
-    writes (merged here into one file first, then loaded)."""
-    if (ckpt_dir / f"{name}.pt").exists() or not (ckpt_dir / "dcp").is_dir():
-        return load(ckpt_dir / f"{name}.pt", "cpu")
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    metadata = ckpt_dir / "dcp" / ".metadata"
-    if not metadata.is_file():  # (dcp would print tracebacks first, on the root logger)
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
-        return load(Path(tmp) / "full.pt", "cpu")[name]
-
-
-# An export's own file (scripts/export_hf.py writes it): the run's config and the checkpoint
-# it came from.
-EXPORT_MARKER = "train_llm.json"
-
-
-def load_trained(path, script=None):
-    """(model, tokenizer, the run's config or None) from what a user calls "my model": a run
-    directory (its newest checkpoint), a checkpoint directory, a Hugging Face directory (such
-    as a run's hf/) or a Hub name. The model is float32, on the CPU. A checkpoint's model is
-    built by the create_model of the script that trained the run (rebuild_model), or of
-    ``script`` if given."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = Path(path)
-    if script is not None and not Path(script).is_file():
-        raise OSError(f"--script {script}: no such file. Pass the training script that trained "
-                      "the run, or leave --script out (a run records its own).")
-    if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
-        record = path / EXPORT_MARKER  # what hf/ says about the run that made it
-        config = json.loads(record.read_text()) if record.exists() else None
-        what = "run, checkpoint or Hugging Face model"
-        return (pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
-                pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config)
-    ckpt_dir = find_checkpoint(path)
-    saved = json.loads((ckpt_dir / "state.json").read_text())
-    config = saved["config"]
-    if config.get("init_from") and not script:  # the architecture it started from
-        model = load_trained(config["init_from"])[0]
-        builder = f"the model of --init-from {config['init_from']}"
-    else:
-        script = script or saved["script"]
-        model = rebuild_model(script, {**saved["args"], **config}, ckpt_dir)
-        builder = f"create_model of {script}"
-    try:
-        state = checkpoint_weights(ckpt_dir)
-    except LOAD_ERRORS as e:
-        name = "dcp" if (ckpt_dir / "dcp").is_dir() else "model.pt"
-        raise OSError(damaged(ckpt_dir, ckpt_dir / name, e)) from e
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:  # the weights loaded: the model built is another one
-        raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
-                      f"that {builder} builds now ({_first_line(e)}). The checkpoint is not "
-                      "damaged: put back the create_model that trained it.") from e
-    return model, pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer"), config
-
-
-def rebuild_model(script, config, ckpt_dir):
-    """The model of a run, fresh: built by create_model of ``script`` (the training script
-    the run recorded, under any name and in any directory) from the flags the run recorded
-    (``config``: all of them as the checkpoint's start had them, the fingerprint's over them)."""
-    if not Path(script).is_file():
-        raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
-                      "builds the model these weights belong to. Put the script back there, or "
-                      "pass a copy of it to generate.py or export_hf.py with --script.")
-    path = Path(script).resolve()  # loaded as a module of its own: its main() does not run
-    if str(path.parent) not in sys.path:  # its neighbours (a module with the model, say)
-        sys.path.append(str(path.parent))
-    spec = importlib.util.spec_from_file_location(f"_training_script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "create_model", None)):
-        raise OSError(f"{script} has no create_model: pass the training script (a copy of "
-                      "train_llm.py) whose create_model builds the run's model.")
-    return module.create_model(types.SimpleNamespace(**config))
+def read_checkpoint(path, read):
+    """``read(the checkpoint that path means)`` (find_checkpoint). A run that keeps only its
+    newest checkpoints may delete that one while it is read (not a damaged checkpoint): then
+    its newer one is read; one named by its own path is gone, which is said."""
+    for tries in itertools.count(1):
+        ckpt_dir = find_checkpoint(path)
+        try:
+            return read(ckpt_dir)
+        except OSError as e:
+            if ckpt_dir.exists():  # damaged, or not the model of that script: said as it is
+                raise
+            if ckpt_dir != Path(path) and tries < 10:  # its newer one has replaced it
+                continue
+            raise FileNotFoundError(
+                f"{ckpt_dir} was deleted while it was read: its run went on and deleted it "
+                "(--keep-checkpoints). Pass the run directory, whose newest checkpoint is "
+                "read, or raise --keep-checkpoints.") from e
 
 
 def damaged(ckpt_dir, path, error, resume=False):
@@ -1209,7 +1195,7 @@ def damaged(ckpt_dir, path, error, resume=False):
     complete checkpoint of its run, if one is left: to pass instead, or (``resume``) the
     command that resumes from it."""
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
-            f"({type(error).__name__}: {_first_line(error)}). Nothing was changed or deleted.")
+            f"({type(error).__name__}: {first_line(error)}). Nothing was changed or deleted.")
     step = int(ckpt_dir.name.removeprefix("step-"))
     older = [d for s, d in sorted(_step_dirs(ckpt_dir.parent.parent, True).items()) if s < step]
     if not older:
@@ -1246,84 +1232,6 @@ def pretrained(cls, name, what, **kwargs):
                 from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
-
-
-def prompt_format(config):
-    """How a run's model expects a prompt: "chat" (trained on conversations, through the
-    tokenizer's chat template), "instruction" (data.instruction_prompt) or None (pretrained:
-    plain text)."""
-    return (config or {}).get("prompt_format")
-
-
-def prompt_text(tokenizer, text, prompt_format=None):
-    """``text`` laid out the way a model trained with ``prompt_format`` saw its prompts."""
-    if prompt_format == "chat":
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-    if prompt_format == "instruction":
-        return data.instruction_prompt(text)
-    return text
-
-
-@torch.no_grad()
-def sample(model, tokenizer, args, ctx, prompt_format):
-    """A continuation of --sample-prompt at validation, to see the model learn to write: the
-    same seed each time, so only the weights change it (generate's RNG is its own: training is
-    not disturbed). Eager even under --compile: each new length would compile the model again.
-    Under FSDP every forward is a collective: all ranks generate the full length."""
-    model.eval()
-    with ctx.autocast(), torch.compiler.set_stance("force_eager"):
-        out = generate(unwrap(model), tokenizer, args.sample_prompt,
-                       max_new_tokens=args.sample_tokens, seed=args.seed,
-                       fixed_length=args.fsdp, prompt_format=prompt_format)
-    model.train()
-    return out
-
-
-def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,
-             fixed_length=False, prompt_format=None):
-    """The continuation of ``text`` (without it), laid out first as ``prompt_format`` says
-    (prompt_text). The sampling draws from a seeded RNG of its
-    own (fork_rng puts the global ones back after), so a training run that samples now and
-    then takes the very same steps as one that does not. ``fixed_length``: never stop early
-    at EOS, so that ranks generating together (FSDP) run the same number of forward passes."""
-    device = next(model.parameters()).device
-    text = prompt_text(tokenizer, text, prompt_format)
-    # Training put BOS before every document and instruction (data.EnsureBosEos,
-    # FormatInstructions): so does the prompt here. A chat template places its own.
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and \
-        prompt_format != "chat" else []
-    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
-        max_new_tokens = min(max_new_tokens, limit - 1)
-        ids = ids[:, -(limit - max_new_tokens):]  # the prompt's end is what counts
-    sample = temperature > 0
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        if not hasattr(model, "generate"):  # a model of your own (create_model): a forward
-            out = ids  # pass over the whole sequence per new token (no KV cache), top-k
-            for _ in range(max_new_tokens):
-                logits = torch.nan_to_num(model(input_ids=out).logits[:, -1, :].float())
-                if sample:
-                    logits = logits / temperature
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    next_id = torch.multinomial(torch.softmax(
-                        logits.masked_fill(logits < kth, -math.inf), dim=-1), 1)
-                else:
-                    next_id = logits.argmax(dim=-1, keepdim=True)
-                out = torch.cat([out, next_id], dim=1)
-                if not fixed_length and next_id.item() == tokenizer.eos_token_id:
-                    break
-            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=sample,
-                             min_new_tokens=max_new_tokens if fixed_length else None,
-                             temperature=temperature if sample else None,
-                             top_k=top_k if sample else None,
-                             pad_token_id=tokenizer.eos_token_id,
-                             remove_invalid_values=True)  # broken weights: nonsense, no crash
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1610,7 +1518,7 @@ class CheckpointReader:
             return False
         if self.loaded and self.name.endswith(".pt"):  # the file is fine; the model differs
             sys.exit(f"Cannot resume from {self.dir}: {self.name} loads, but does not fit what "
-                     f"this script built ({type(error).__name__}: {_first_line(error)}). The "
+                     f"this script built ({type(error).__name__}: {first_line(error)}). The "
                      "checkpoint is not damaged and nothing was changed: resume with the "
                      "create_model (and flags) that trained it, or start a new "
                      "--experiment-name.")
@@ -1622,7 +1530,7 @@ LOAD_ERRORS = (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.Unp
                CheckpointException)
 
 
-def _first_line(error):
+def first_line(error):
     return str(error).strip().splitlines()[0] if str(error).strip() else ""
 
 

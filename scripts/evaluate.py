@@ -34,7 +34,7 @@ sys.path.insert(0, str(KIT))
 import utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
-import project  # noqa: E402  (the run's own utils.py)
+import project  # noqa: E402  (the run's own trained.py and utils.py)
 
 SHIPPED = KIT / "assets/eval"  # kit_NAME.yaml: a task lm_eval reads from the kit's root
 
@@ -73,7 +73,7 @@ def task_configs(names):
 
 
 def laid_out(tokenizer, layout, data):
-    """A --task sft model's prompts as it was trained on them (utils.prompt_format): through
+    """A --task sft model's prompts as it was trained on them (trained.prompt_format): through
     lm-eval's chat-template path, with its tokenizer's chat template ("chat") or the kit's
     instruction template written as one ("instruction"). Returns whether to take that path."""
     if layout == "instruction":
@@ -90,13 +90,12 @@ def scores(results):
             for task, metrics in results["results"].items()}
 
 
-def record(path, table, args):
-    """For a run or one of its checkpoints: a line per task in the run's eval.jsonl."""
-    try:
-        ckpt = utils.find_checkpoint(path).resolve()
-    except (OSError, ValueError, KeyError):
+def record(ckpt, table, args):
+    """For the checkpoint scored (load_trained's: its run may have saved newer ones since): a
+    line per task in its run's eval.jsonl."""
+    if not ckpt.name.startswith("step-") or not (ckpt.parent.parent / "state.json").exists():
         return None  # a Hugging Face directory or a Hub name: printed only
-    step = json.loads((ckpt / "state.json").read_text())["global_step"]
+    ckpt, step = ckpt.resolve(), int(ckpt.name.removeprefix("step-"))
     out = ckpt.parent.parent / "eval.jsonl"
     when = datetime.datetime.now().isoformat(timespec="seconds")
     with open(out, "a") as f:
@@ -153,8 +152,8 @@ def main():
         sys.exit(f"--tasks: no task is named {', '.join(unknown)}. The kit ships kit_cloze and "
                  "kit_bpb; `lm_eval --tasks list` lists lm-eval's.")
 
-    kit = project.project_utils(args.model, args.script)
-    model, tokenizer, config = kit.load_trained(args.model, script=args.script)
+    kit = project.project_kit(args.model, args.script)
+    model, tokenizer, config, scored = kit.load_trained(args.model, script=args.script)
     layout = kit.prompt_format(config)  # pretrained: None, plain text
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{args.model} trained {type(model).__name__}, a model of its own: "
@@ -169,7 +168,7 @@ def main():
     for task, metrics in table.items():
         for metric, value in metrics.items():
             print(f"| {task} | {metric} | {value:.4f} |")
-    if (out := record(args.model, table, args)) is not None:
+    if (out := record(scored, table, args)) is not None:
         print(f"(appended to {out})")
 
 

@@ -1,7 +1,7 @@
 """Export a checkpoint of a train_llm.py run in the Hugging Face layout (safetensors weights,
 config and tokenizer), for transformers, vLLM, llama.cpp's converters and the rest. A run of a
 copy of the kit (the script renamed, its create_model changed) works too: the model is rebuilt
-by the script the run recorded, with the copy's own utils.py and data.py.
+by the script the run recorded, with the copy's own trained.py, utils.py and data.py.
 
     python scripts/export_hf.py outputs/demo              # the run's own hf/, written again
     python scripts/export_hf.py outputs/demo --out demo-hf
@@ -25,10 +25,11 @@ from pathlib import Path
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import trained  # noqa: E402
 import utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
-import project  # noqa: E402  (the run's own utils.py)
+import project  # noqa: E402  (the run's own trained.py and utils.py)
 
 
 def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
@@ -39,7 +40,7 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
     is refused, so a mistyped --out cannot delete a user's files or runs. ``owned``: ``out`` is
     a run's own hf/, which the run directory's layout reserves for it (DESIGN.md section 3).
     """
-    marker = utils.EXPORT_MARKER  # it marks a directory as one that save_hf wrote
+    marker = trained.EXPORT_MARKER  # it marks a directory as one that save_hf wrote
     out = Path(os.path.abspath(out))
     tmp, old = out.with_name(out.name + ".tmp"), out.with_name(f".{out.name}.replaced")
     for path in (out, tmp):
@@ -82,7 +83,7 @@ def added_by_user(out, written):
     if not out.is_dir():
         return []
     try:
-        ours = set(json.loads((out / utils.EXPORT_MARKER).read_text()).get("files") or [])
+        ours = set(json.loads((out / trained.EXPORT_MARKER).read_text()).get("files") or [])
     except (OSError, ValueError, AttributeError):
         ours = set()
     if not ours:
@@ -98,7 +99,8 @@ def is_export(path):
     if not path.is_dir():
         return False
     names = {p.name for p in path.iterdir()}
-    return not names or (utils.EXPORT_MARKER in names and not {"state.json", "checkpoints"} & names)
+    return not names or (trained.EXPORT_MARKER in names
+                         and not {"state.json", "checkpoints"} & names)
 
 
 def main():
@@ -121,17 +123,15 @@ def main():
     if args.out is None and not run:  # (said before the model is loaded)
         sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
     source = args.checkpoint or args.run_dir
-    kit = project.project_utils(source, args.script)  # a copy's own utils.py, if it has one
-    model, tokenizer, config = project.load_trained(kit, source, args.script, args.weights)
+    kit = project.project_kit(source, args.script)  # a copy's own trained.py, if it has one
+    model, tokenizer, config, checkpoint = project.load_trained(kit, source, args.script,
+                                                                args.weights)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "
                  "Hugging Face layout to write. Its checkpoints are its export: build the model "
                  "with create_model and load model.pt with torch.load(..., weights_only=True).")
-    if (source / "config.json").exists():  # already Hugging Face files: re-exported as they are
-        checkpoint = source
-    else:
-        checkpoint = kit.find_checkpoint(source).resolve()
+    checkpoint = checkpoint.resolve()  # (the one read: a run may have saved a newer one since)
     own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
     args.out = args.out or own
     owned = run and args.out.resolve() == own.resolve()

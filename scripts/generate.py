@@ -1,7 +1,7 @@
 """Continue a prompt with a trained model: a run directory (its newest checkpoint, no export
 needed), a checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name. A run
 of any copy of the kit works: its model is rebuilt by the training script the run recorded,
-with the copy's own utils.py and data.py.
+with the copy's own trained.py, utils.py and data.py.
 
     python scripts/generate.py outputs/demo --prompt "The river"
     python scripts/generate.py outputs/demo-sft --prompt "Name three colors." --max-new-tokens 60
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
-import project  # noqa: E402  (the run's own utils.py)
+import project  # noqa: E402  (the run's own trained.py and utils.py)
 
 
 def main():
@@ -51,8 +51,9 @@ def main():
                              "kit)")
     args = parser.parse_args()
 
-    kit = project.project_utils(args.model, args.script)  # a copy's own utils.py, if it has one
-    model, tokenizer, config = project.load_trained(kit, args.model, args.script, args.weights)
+    kit = project.project_kit(args.model, args.script)  # a copy's own trained.py, if it has one
+    model, tokenizer, config, _ = project.load_trained(kit, args.model, args.script,
+                                                       args.weights)
     model.to(args.device).eval()
     layout = None if args.no_template else kit.prompt_format(config)  # as it was trained
     print(kit.prompt_text(tokenizer, args.prompt, layout)

@@ -26,9 +26,11 @@ from helpers import (
     start,
     train,
     train_args,
+    wait_for,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import trained
 import utils
 
 
@@ -57,12 +59,12 @@ def test_the_hf_export_is_the_last_checkpoint(run_dir, tmp_path, capsys, monkeyp
     assert AutoTokenizer.from_pretrained(run_dir / "hf").encode("the river")
     ids = torch.arange(3, 35).view(2, 16)
     for step, same in ((10, True), (5, False)):
-        model = utils.load_trained(run_dir / f"checkpoints/step-{step:06d}")[0]
+        model = trained.load_trained(run_dir / f"checkpoints/step-{step:06d}")[0]
         assert torch.equal(logits(model, ids), logits(hf, ids)) == same, step
     out = tmp_path / "old"
     script("export_hf", [run_dir, "--checkpoint", run_dir / "checkpoints/step-000005",
                          "--out", out], capsys, monkeypatch)
-    old = utils.load_trained(run_dir / "checkpoints/step-000005")[0]
+    old = trained.load_trained(run_dir / "checkpoints/step-000005")[0]
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out), ids), logits(old, ids))
 
 
@@ -107,7 +109,7 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
                                     min_lr=0, task="sft", seq_length=64),
                         f"--init-from={source}"])
         assert result.returncode == 0, result.stderr
-        expected = utils.load_trained(source)[0].state_dict()
+        expected = trained.load_trained(source)[0].state_dict()
         got = utils.load(tmp_path / name / "checkpoints/step-000001/model.pt", "cpu")
         for k in got:
             torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-20, msg=name)
@@ -192,11 +194,11 @@ def test_an_export_never_replaces_what_it_did_not_write(four_steps, tmp_path, ca
     out = tmp_path / "export"
     script("export_hf", [exp, "--out", out], capsys, monkeypatch)
     (tmp_path / "export.tmp").mkdir()
-    (tmp_path / "export.tmp" / utils.EXPORT_MARKER).write_text("{}")
+    (tmp_path / "export.tmp" / trained.EXPORT_MARKER).write_text("{}")
     script("export_hf", [exp, "--checkpoint", exp / "checkpoints/step-000002", "--out", out],
            capsys, monkeypatch)
     assert not (tmp_path / "export.tmp").exists()
-    assert same_weights(weights(out), utils.load_trained(exp / "checkpoints/step-000002")[0]
+    assert same_weights(weights(out), trained.load_trained(exp / "checkpoints/step-000002")[0]
                         .state_dict())
 
 
@@ -228,14 +230,14 @@ def test_an_export_cut_short_by_a_kill_is_mended_by_the_same_command(four_steps,
     shutil.rmtree(exp / "hf")
     script("export_hf", [exp, "--checkpoint", exp / "checkpoints/step-000002", "--out",
                          exp / "hf"], capsys, monkeypatch)
-    (exp / "hf" / utils.EXPORT_MARKER).unlink()
+    (exp / "hf" / trained.EXPORT_MARKER).unlink()
     (exp / "hf.tmp").mkdir()  # debris of an export that wrote its marker last
     (exp / "hf.tmp" / "config.json").write_text("{}")
     script("export_hf", [exp], capsys, monkeypatch)
     assert not (exp / "hf.tmp").exists()
     assert same_weights(weights(exp / "hf"),
-                        utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
-    assert json.loads((exp / "hf" / utils.EXPORT_MARKER).read_text())["exported_from"] == \
+                        trained.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
+    assert json.loads((exp / "hf" / trained.EXPORT_MARKER).read_text())["exported_from"] == \
         "checkpoints/step-000004"
 
 
@@ -256,7 +258,7 @@ def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, ca
     assert not (exp / "hf").exists() and not (exp / "hf.tmp").exists()
     script("export_hf", [exp], capsys, monkeypatch)
     assert same_weights(weights(exp / "hf"),
-                        utils.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
+                        trained.load_trained(exp / "checkpoints/step-000004")[0].state_dict())
 
 
 @pytest.mark.slow
@@ -324,3 +326,63 @@ def test_generate_with_weights_that_are_not_weights_says_so(four_steps):
                              "--prompt", "The", "--weights", "ema"], cwd=ROOT, env=ENV,
                             capture_output=True, text=True)
     refused(result, "holds no weights named 'ema'")
+
+
+def test_a_checkpoint_its_run_deletes_while_it_is_read_is_not_called_damaged(ten_steps,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """A run that keeps only its newest checkpoint deletes the one a reader (generate,
+    export_hf, evaluate, --init-from) resolved, after it wrote a newer one: the reader reads
+    that one. Named by its own path, the deleted checkpoint is said to be gone, not damaged."""
+    run = copy_run(ten_steps, tmp_path)
+    newer = json.loads((run / "state.json").read_text())
+    older = {**newer, "global_step": 5, "checkpoint": "checkpoints/step-000005"}
+    (run / "state.json").write_text(json.dumps(older))  # (as it was before step 10's save)
+    (run / "checkpoints/step-000010").rename(run / "step-000010.tmp")
+    weights, calls = trained.checkpoint_weights, []
+
+    def rotated(ckpt_dir, *args):  # the run saves step 10, then deletes step 5 (utils order)
+        if not calls:
+            (run / "step-000010.tmp").rename(run / "checkpoints/step-000010")
+            (run / "state.json").write_text(json.dumps(newer))
+            (run / "checkpoints/step-000005").rename(run / "checkpoints/step-000005.deleted")
+        calls.append(ckpt_dir.name)
+        return weights(ckpt_dir, *args)
+
+    monkeypatch.setattr(trained, "checkpoint_weights", rotated)
+    model, _, _, read = trained.load_trained(run)
+    assert calls == ["step-000005", "step-000010"] and read.name == "step-000010"
+    expected = utils.load(run / "checkpoints/step-000010/model.pt", "cpu")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    (run / "checkpoints/step-000010").rename(run / "checkpoints/gone")
+    calls.clear()
+    monkeypatch.setattr(trained, "checkpoint_weights", lambda ckpt_dir, *args: (
+        ckpt_dir.rename(ckpt_dir.with_name("step-000010.deleted")), weights(ckpt_dir))[1])
+    (run / "checkpoints/gone").rename(run / "checkpoints/step-000010")
+    with pytest.raises(FileNotFoundError, match="step-000010 was deleted while it was read"):
+        trained.load_trained(run / "checkpoints/step-000010")
+
+
+@pytest.mark.slow
+def test_export_and_generate_of_a_run_that_rotates_its_checkpoints_as_it_trains(tmp_path):
+    """A run saving every step and keeping one checkpoint: export_hf.py and generate.py of it,
+    while it trains, read its newest complete checkpoint, never "damaged" (the export names the
+    checkpoint it holds)."""
+    args = train_args(tmp_path, ROOT / "assets/tiny-gpt2", name="rot", max_steps=100_000,
+                      ckpt_freq=1, keep_checkpoints=1, val_freq=100_000, sample_tokens=0)
+    proc = start(args, tmp_path / "log.txt")
+    try:
+        wait_for(lambda: (tmp_path / "rot/checkpoints/step-000003").exists() or
+                 (tmp_path / "rot/checkpoints/step-000004").exists(), proc)
+        for n in range(2):
+            result = train([tmp_path / "rot", "--out", tmp_path / f"e{n}"],
+                           script="scripts/export_hf.py")
+            assert result.returncode == 0, result.stderr
+            exported = json.loads((tmp_path / f"e{n}" / trained.EXPORT_MARKER).read_text())
+            assert "/rot/checkpoints/step-" in exported["exported_from"]
+        result = train([tmp_path / "rot", "--prompt", "The", "--max-new-tokens", "2"],
+                       script="scripts/generate.py")
+        assert result.returncode == 0, result.stderr
+        assert proc.poll() is None  # (it was training all along)
+    finally:
+        proc.kill()

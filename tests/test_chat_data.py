@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import data
 import train_llm
-import utils
+import trained
 from data import DataError, Files, FormatInstructions
 
 TOY = toy_tokenizer()
@@ -50,7 +50,7 @@ def test_chat_data_trains_samples_and_generates_with_the_chat_template(
     assert result.returncode == 0, result.stderr
     state = json.loads((tmp_path / "c/state.json").read_text())
     assert state["config"]["prompt_format"] == "chat"
-    assert utils.prompt_text(tokenizer, "Say hi.", "chat") == \
+    assert trained.prompt_text(tokenizer, "Say hi.", "chat") == \
         "<|endoftext|>[user]\nSay hi.\n<|endoftext|>[assistant]\n"
     out = script("generate", [tmp_path / "c", "--prompt", "Say hi.", "--max-new-tokens", 3],
                  capsys, monkeypatch)

@@ -181,20 +181,20 @@ def test_a_flag_that_create_model_reads_outside_the_fingerprint_rebuilds_the_mod
 
 
 @pytest.mark.slow
-def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
-    """A project that changed its utils.py: generate.py and export_hf.py of the kit use that
-    one (and its data.py) for the project's runs, not the kit's."""
+def test_the_kits_scripts_work_with_the_copys_own_modules(tiny_model, tmp_path):
+    """A project that changed its trained.py: generate.py and export_hf.py of the kit use that
+    one (and its utils.py and data.py) for the project's runs, not the kit's."""
     script = copy_kit(tmp_path / "proj", "my_train.py")
     result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=2))
     assert result.returncode == 0, result.stderr
-    utils_py = script.parent / "utils.py"
-    utils_py.write_text(utils_py.read_text().replace(
+    trained_py = script.parent / "trained.py"
+    trained_py.write_text(trained_py.read_text().replace(
         '    device = next(model.parameters()).device\n    text = prompt_text(',
-        '    return " (the project\'s own utils.py)"\n    text = prompt_text(', 1))
+        '    return " (the project\'s own trained.py)"\n    text = prompt_text(', 1))
     result = kit_script("generate", [tmp_path / "run", "--prompt", "def"])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "def (the project's own utils.py)"
-    utils_py.write_text(utils_py.read_text().replace(
+    assert result.stdout.strip() == "def (the project's own trained.py)"
+    trained_py.write_text(trained_py.read_text().replace(
         'def load_trained(path, script=None):',
         'def load_trained(path, script=None):'
         "\n    raise OSError('the project load_trained')", 1))
@@ -202,19 +202,21 @@ def test_the_kits_scripts_work_with_the_copys_own_utils(tiny_model, tmp_path):
             "the project load_trained")
 
 
-def test_a_copys_utils_that_cannot_serve_the_scripts_leaves_the_kits_in_place(tmp_path):
-    """A copy without data.py, one whose utils.py is of an older kit, one that does not import:
+def test_a_copys_modules_that_cannot_serve_the_scripts_leave_the_kits_in_place(tmp_path):
+    """A copy without data.py, one of an older kit (no trained.py), one that does not import:
     the kit's scripts go on with the kit's modules, which stay the imported ones."""
     import data
+    import trained
     import utils
     sys.path.insert(0, str(ROOT / "scripts"))
     import project
     (tmp_path / "train.py").write_text("")
     for files in ({"utils.py": "x = 1"}, {"utils.py": "x = 1", "data.py": ""},
-                  {"utils.py": "import nothing_of_that_name", "data.py": ""}):
-        for name in ("utils.py", "data.py"):
+                  {"utils.py": "import nothing_of_that_name", "data.py": "", "trained.py": ""}):
+        for name in ("utils.py", "data.py", "trained.py"):
             (tmp_path / name).unlink(missing_ok=True)
         for name, text in files.items():
             (tmp_path / name).write_text(text)
-        assert project.project_utils(tmp_path, script=tmp_path / "train.py") is utils
+        assert project.project_kit(tmp_path, script=tmp_path / "train.py") is trained
         assert sys.modules["utils"] is utils and sys.modules["data"] is data
+        assert sys.modules["trained"] is trained

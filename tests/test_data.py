@@ -334,6 +334,31 @@ def test_a_prefetch_whose_process_was_killed_says_so_in_one_paragraph():
     p.close()
 
 
+@pytest.mark.parametrize("hangs_at", [2, 5, 7])
+def test_a_prefetch_given_up_on_a_hung_read_resumes_at_the_last_whole_step(hangs_at):
+    """``until`` set while item ``hangs_at`` never comes (a read that hangs): next() ends, the
+    items of the step begun (2 a step here) are given back, and a new pipeline resumed from
+    the state goes on at the step's first item."""
+    def hang(x):
+        if x == hangs_at:
+            threading.Event().wait()  # (in the child: until it is killed)
+        return x
+
+    until = threading.Event()
+    p = Prefetch(Map(Sequence(range(20)), hang), 3, every=2, until=until)
+    assert [next(p) for _ in range(hangs_at)] == list(range(hangs_at))
+    until.set()
+    with pytest.raises(StopIteration):
+        next(p)
+    assert p.interrupted and next(p, None) is None
+    state = p.state_dict()
+    p.close()
+    resumed = Prefetch(Map(Sequence(range(20)), int), 3, every=2)  # (a server back up)
+    resumed.load_state_dict(state)
+    assert next(resumed) == hangs_at - hangs_at % 2
+    resumed.close()
+
+
 @pytest.mark.slow
 def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     """A pipeline with background threads, dropped without close(), must let Python exit."""

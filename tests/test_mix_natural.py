@@ -9,6 +9,7 @@ import torch
 from helpers import kill_at, metrics, resumed_steps, start, train, train_args
 
 import data
+import utils
 
 
 def domains(root, sizes):
@@ -27,7 +28,7 @@ def test_natural_weights_follow_the_domains_sizes(tmp_path):
     files = {name: sum(p.stat().st_size for p in (tmp_path / name).glob("train-*.jsonl"))
              for name in ("big", "small", "tiny")}
     assert sizes == files
-    weights = data.domain_weights(list(sizes), sizes)
+    weights = utils.domain_weights(list(sizes), sizes)
     assert weights == pytest.approx([files[n] / sum(files.values()) for n in sizes])
 
 

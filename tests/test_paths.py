@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 import data
 import train_llm
+import trained
 import utils
 
 
@@ -50,7 +51,7 @@ def test_paths_that_do_not_exist_are_one_paragraph(tmp_path, tiny_model, capsys,
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         utils.pretrained(AutoTokenizer, missing, "--tokenizer")
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
-        utils.load_trained(missing)
+        trained.load_trained(missing)
     for name in ("generate", "export_hf"):
         argv = [missing, "--prompt", "x"] if name == "generate" else [missing, "--out", "o"]
         with pytest.raises(SystemExit) as exit_:
@@ -116,6 +117,6 @@ def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_p
     asked = []
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **_: asked.append(name))
     with pytest.raises(FileNotFoundError, match="outputs/demoo: no such file or directory"):
-        utils.load_trained("outputs/demoo")
+        trained.load_trained("outputs/demoo")
     utils.pretrained(AutoTokenizer, "someone/model", "--tokenizer")
     assert asked == ["someone/model"]

@@ -23,6 +23,7 @@ from helpers import (
     train_args,
 )
 
+import trained
 import utils
 
 
@@ -133,7 +134,7 @@ def test_a_damaged_sharded_checkpoint_is_one_paragraph_too(tmp_path):
              "config": config, "script": str(ROOT / "train_llm.py"), "args": {}}))
     (run / "checkpoints/step-000002/dcp/.metadata").write_bytes(b"not a checkpoint")
     with pytest.raises(OSError, match="The previous checkpoint .*step-000001 is complete"):
-        utils.load_trained(run / "checkpoints/step-000002")
+        trained.load_trained(run / "checkpoints/step-000002")
 
 
 @pytest.mark.slow

@@ -9,12 +9,16 @@ import functools
 import gzip
 import http.server
 import json
+import platform
 import random
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import boto3
 import datasets
@@ -27,13 +31,16 @@ from helpers import (
     ROOT,
     Take,
     examples,
+    global_step,
     kill_at,
+    last_step,
     metrics,
     resumed_steps,
     run_with_cuts,
     start,
     train,
     train_args,
+    wait_for,
 )
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -158,14 +165,16 @@ class FaultyHTTPServer(http.server.ThreadingHTTPServer):
     """Serves ``files`` ({path: bytes}) with Range support. ``faults`` says what to do to the
     next requests, one entry each: None (answer well), a status code, or ("drop", n): send the
     headers and only n bytes of the body, then close the connection. ``cap``: a range answer
-    holds at most that many bytes (as some servers and CDNs cut them), the rest asked again."""
+    holds at most that many bytes (as some servers and CDNs cut them), the rest asked again.
+    ``budget``: the body bytes it sends in all before it stops answering (``stalled`` is then
+    set), as a hung server does, until ``resume`` is set; then it hangs up."""
 
     daemon_threads = True
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), FaultyHandler)
-        self.files, self.faults, self.requests, self.cap = {}, [], [], None
-        self.lock = threading.Lock()
+        self.files, self.faults, self.requests, self.cap, self.budget = {}, [], [], None, None
+        self.lock, self.stalled, self.resume = threading.Lock(), threading.Event(), None
 
     def url(self, path):
         return f"http://127.0.0.1:{self.server_address[1]}{path}"
@@ -201,11 +210,18 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(body)}")
         self.end_headers()
         part = body[start:end] if fault is None else body[start:end][:fault[1]]
+        with server.lock:
+            sent = len(part) if server.budget is None else min(len(part), server.budget)
+            server.budget = None if server.budget is None else server.budget - sent
         try:
-            self.wfile.write(part)
+            self.wfile.write(part[:sent])
+            self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client stopped reading (it seeked, or closed the shard)
-        if fault is not None:
+        if sent < len(part):
+            server.stalled.set()
+            server.resume.wait(300)
+        if fault is not None or sent < len(part):
             self.close_connection = True
 
     def log_message(self, *args):
@@ -218,6 +234,8 @@ def web():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
+    if server.resume:
+        server.resume.set()
     server.shutdown()
     server.server_close()
 
@@ -230,6 +248,7 @@ def web_shards(web):
               "/d.parquet": parquet_bytes(documents(20, 7, size=300), row_group_size=6)}
     web.files.update(shards)
     web.faults.clear()
+    web.budget, web.resume, web.stalled = None, threading.Event(), threading.Event()
     return [web.url(path) for path in shards]
 
 
@@ -334,6 +353,107 @@ def test_retries_stop_after_their_time_whatever_fills_it(monkeypatch):
     finally:
         silent.close()
     assert time.monotonic() - began < 30
+
+
+def test_an_http_server_that_stops_answering_mid_read_fails_it_in_the_retry_time(
+        web, web_shards, monkeypatch):
+    monkeypatch.setattr(data, "HTTP_TIMEOUT", (0.5, 0.5))
+    monkeypatch.setattr(data, "RETRY_TIME", 2)
+    web.budget = 3000  # (a few lines of the first answer, then nothing: every read waits)
+    began = time.monotonic()
+    with pytest.raises(OSError, match=f"shard {web_shards[0]}: still failing after [1-9] "):
+        list(Files(web_shards[0], retry_delay=0.1))
+    assert web.stalled.is_set() and time.monotonic() - began < 15
+
+
+def main_thread_waits(pid):
+    """Whether a process's main thread sleeps in a read or poll syscall (Linux x86-64 and
+    arm64): how a trainer whose loader waits for a batch looks from outside."""
+    waits = {"x86_64": {"0", "7", "271"}, "aarch64": {"63", "73"}}[platform.machine()]
+    return Path(f"/proc/{pid}/task/{pid}/syscall").read_text().split()[0] in waits
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64") or not sys.platform.startswith(
+    "linux"), reason="reads the main thread's syscall from /proc")
+def test_a_signal_stops_a_run_whose_loader_waits_on_a_hung_server(web, tiny_model, tmp_path):
+    """SIGTERM while the data loader waits on a read that never ends: within seconds the run
+    saves the last step it took and exits 0; once the server answers again, the resumed run
+    trains the very steps of a run that never stopped."""
+    docs = documents(2000, 9, size=400)
+    web.files["/hung.jsonl"] = jsonl_bytes(docs)
+    common = dict(dataset=web.url("/hung.jsonl"), active_shards=1, shuffle_buffer=1,
+                  batch_size=16, max_steps=1000, ckpt_freq=1000, log_freq=1,
+                  min_lr=1e-2)  # (= --lr: the schedule does not depend on --max-steps)
+    web.budget, web.resume, web.stalled = 200_000, threading.Event(), threading.Event()
+    exp_dir, log = tmp_path / "hung", tmp_path / "log.txt"
+    proc = start(train_args(tmp_path, tiny_model, name="hung", **common), log)
+    try:
+        wait_for(lambda: web.stalled.is_set() and last_step(exp_dir) > 1 and
+                 main_thread_waits(proc.pid), proc)
+        wait_for(lambda: main_thread_waits(proc.pid), proc)  # (still: not a passing read)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        proc.kill()
+        web.resume.set()
+    text, taken = log.read_text(), global_step(exp_dir)
+    assert f"waited on a read: saving step {taken}" in text and taken > 1, text
+    assert (exp_dir / f"checkpoints/step-{taken:06d}").is_dir()
+    web.budget, more = None, dict(common, max_steps=taken + 3)
+    assert train(train_args(tmp_path, tiny_model, name="hung", **more)).returncode == 0
+    assert train(train_args(tmp_path, tiny_model, name="straight", **more)).returncode == 0
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert ([[row.get(k) for k in keys] for row in metrics(exp_dir)] ==
+            [[row.get(k) for k in keys] for row in metrics(tmp_path / "straight")])
+
+
+@pytest.fixture()
+def stoppable_s3(monkeypatch):
+    """A moto S3 server in a process of its own (SIGSTOP stops it answering, as a hung
+    server does), found by boto3 as a user's endpoint is: (its Popen, a boto3 client)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for name, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
+                        "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    client = boto3.client("s3")
+    for _ in range(300):  # until it answers (it starts in about a second)
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            assert proc.poll() is None, "moto's server did not start"
+            time.sleep(0.05)
+    yield proc, client
+    proc.send_signal(signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_an_s3_server_that_stops_answering_mid_read_fails_it_in_the_retry_time(
+        stoppable_s3, monkeypatch):
+    """One owner of timeouts and retries: boto3's and smart_open's own do not run inside the
+    kit's, so a read of a hung server fails in about RETRY_TIME plus a read timeout or two
+    (here 1 s each), naming the object, not after minutes of nested retries."""
+    proc, client = stoppable_s3
+    url = put(client, "big.jsonl", jsonl_bytes([{"text": "x" * 1000, "i": i}
+                                                for i in range(30_000)]))
+    monkeypatch.setattr(data, "HTTP_TIMEOUT", (1, 1))
+    monkeypatch.setattr(data, "RETRY_TIME", 3)
+    files = Files(url, n_active_shards=1, retry_delay=0.1)
+    assert [next(files)["i"] for _ in range(100)] == list(range(100))
+    proc.send_signal(signal.SIGSTOP)  # (30 MB: most of the answer is still to come)
+    began = time.monotonic()
+    with pytest.raises(OSError, match=f"shard {url}: still failing after [1-9] retries"):
+        for _ in range(30_000):
+            next(files)
+    assert time.monotonic() - began < 20
 
 
 def test_a_server_without_range_requests_is_named_with_the_way_out(tmp_path):

@@ -63,7 +63,8 @@ def test_an_ema_of_the_weights_resumes_exactly_after_a_kill(project, tiny_model,
     # generate.py and export_hf.py read the EMA's weights with --weights ema.
     sys.path.insert(0, str(ROOT / "scripts"))
     import project
-    loaded = project.load_trained(utils, tmp_path / "straight", weights="ema")[0].state_dict()
+    loaded = project.load_trained(project.trained, tmp_path / "straight", weights="ema")[0]
+    loaded = loaded.state_dict()
     assert all(torch.equal(loaded[k], ema[f"module.{k}"]) for k in model)
     out = subprocess.run([sys.executable, "scripts/generate.py", str(tmp_path / "straight"),
                           "--prompt", "The", "--max-new-tokens", "3", "--weights", "ema"],

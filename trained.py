@@ -1,0 +1,189 @@
+"""A trained model, for the scripts (generate.py, export_hf.py, evaluate.py) and train_llm.py's
+--init-from and samples: load_trained reads what a user calls "my model" (a run, a checkpoint,
+a Hugging Face directory or Hub name), rebuilt by the create_model of the script that trained
+it (rebuild_model); generate samples from it, its prompt laid out as it was trained
+(prompt_format). Like utils.py it never imports the script."""
+
+import errno
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+import data
+import utils
+
+
+def checkpoint_weights(ckpt_dir, name="model"):
+    """A full state dict of a checkpoint: NAME.pt, or NAME's part of the DCP shards that --fsdp
+    writes (merged here into one file first, then loaded)."""
+    if (ckpt_dir / f"{name}.pt").exists() or not (ckpt_dir / "dcp").is_dir():
+        return utils.load(ckpt_dir / f"{name}.pt", "cpu")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    metadata = ckpt_dir / "dcp" / ".metadata"
+    if not metadata.is_file():  # (dcp would print tracebacks first, on the root logger)
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(metadata))
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
+        return utils.load(Path(tmp) / "full.pt", "cpu")[name]
+
+
+# An export's own file (scripts/export_hf.py writes it): the run's config and the checkpoint
+# it came from.
+EXPORT_MARKER = "train_llm.json"
+
+
+def load_trained(path, script=None):
+    """(model, tokenizer, the run's config or None, the checkpoint or directory read) from what
+    a user calls "my model": a run directory (its newest checkpoint), a checkpoint directory, a
+    Hugging Face directory (such as a run's hf/) or a Hub name. The model is float32, on the
+    CPU. A checkpoint's model is built by the create_model of the script that trained the run
+    (rebuild_model), or of ``script`` if given."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path)
+    if script is not None and not Path(script).is_file():
+        raise OSError(f"--script {script}: no such file. Pass the training script that trained "
+                      "the run, or leave --script out (a run records its own).")
+    if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
+        record = path / EXPORT_MARKER  # what hf/ says about the run that made it
+        config = json.loads(record.read_text()) if record.exists() else None
+        what = "run, checkpoint or Hugging Face model"
+        return (utils.pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
+                utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config,
+                path)
+    model, config, ckpt_dir = utils.read_checkpoint(path, lambda ckpt: from_checkpoint(
+        ckpt, script))
+    tokenizer = utils.pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
+    return model, tokenizer, config, ckpt_dir
+
+
+def from_checkpoint(ckpt_dir, script=None):
+    """(model, the run's config, ``ckpt_dir``) of load_trained. The weights are read first:
+    once their file is open, a run that deletes the checkpoint meanwhile takes nothing away."""
+    saved = json.loads((ckpt_dir / "state.json").read_text())
+    config = saved["config"]
+    try:
+        state = checkpoint_weights(ckpt_dir)
+    except utils.LOAD_ERRORS as e:
+        if not ckpt_dir.exists():  # (not damaged: its run deleted it; read_checkpoint says so)
+            raise FileNotFoundError(errno.ENOENT, "deleted while it was read", ckpt_dir) from e
+        name = "dcp" if (ckpt_dir / "dcp").is_dir() else "model.pt"
+        raise OSError(utils.damaged(ckpt_dir, ckpt_dir / name, e)) from e
+    if config.get("init_from") and not script:  # the architecture it started from
+        model = load_trained(config["init_from"])[0]
+        builder = f"the model of --init-from {config['init_from']}"
+    else:
+        script = script or saved["script"]
+        model = rebuild_model(script, {**saved["args"], **config}, ckpt_dir)
+        builder = f"create_model of {script}"
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # the weights loaded: the model built is another one
+        raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
+                      f"that {builder} builds now ({utils.first_line(e)}). The checkpoint is not "
+                      "damaged: put back the create_model that trained it.") from e
+    return model, config, ckpt_dir
+
+
+def rebuild_model(script, config, ckpt_dir):
+    """The model of a run, fresh: built by create_model of ``script`` (the training script
+    the run recorded, under any name and in any directory) from the flags the run recorded
+    (``config``: all of them as the checkpoint's start had them, the fingerprint's over them)."""
+    if not Path(script).is_file():
+        raise OSError(f"{ckpt_dir} was trained by {script}, which is gone: its create_model "
+                      "builds the model these weights belong to. Put the script back there, or "
+                      "pass a copy of it to generate.py or export_hf.py with --script.")
+    path = Path(script).resolve()  # loaded as a module of its own: its main() does not run
+    if str(path.parent) not in sys.path:  # its neighbours (a module with the model, say)
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_training_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "create_model", None)):
+        raise OSError(f"{script} has no create_model: pass the training script (a copy of "
+                      "train_llm.py) whose create_model builds the run's model.")
+    return module.create_model(types.SimpleNamespace(**config))
+
+
+def prompt_format(config):
+    """How a run's model expects a prompt: "chat" (trained on conversations, through the
+    tokenizer's chat template), "instruction" (data.instruction_prompt) or None (pretrained:
+    plain text)."""
+    return (config or {}).get("prompt_format")
+
+
+def prompt_text(tokenizer, text, prompt_format=None):
+    """``text`` laid out the way a model trained with ``prompt_format`` saw its prompts."""
+    if prompt_format == "chat":
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    if prompt_format == "instruction":
+        return data.instruction_prompt(text)
+    return text
+
+
+@torch.no_grad()
+def sample(model, tokenizer, args, ctx, prompt_format):
+    """A continuation of --sample-prompt at validation, to see the model learn to write: the
+    same seed each time, so only the weights change it (generate's RNG is its own: training is
+    not disturbed). Eager even under --compile: each new length would compile the model again.
+    Under FSDP every forward is a collective: all ranks generate the full length."""
+    model.eval()
+    with ctx.autocast(), torch.compiler.set_stance("force_eager"):
+        out = generate(utils.unwrap(model), tokenizer, args.sample_prompt,
+                       max_new_tokens=args.sample_tokens, seed=args.seed,
+                       fixed_length=args.fsdp, prompt_format=prompt_format)
+    model.train()
+    return out
+
+
+def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=50, seed=0,
+             fixed_length=False, prompt_format=None):
+    """The continuation of ``text`` (without it), laid out first as ``prompt_format`` says
+    (prompt_text). The sampling draws from a seeded RNG of its
+    own (fork_rng puts the global ones back after), so a training run that samples now and
+    then takes the very same steps as one that does not. ``fixed_length``: never stop early
+    at EOS, so that ranks generating together (FSDP) run the same number of forward passes."""
+    device = next(model.parameters()).device
+    text = prompt_text(tokenizer, text, prompt_format)
+    # Training put BOS before every document and instruction (data.EnsureBosEos,
+    # FormatInstructions): so does the prompt here. A chat template places its own.
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and \
+        prompt_format != "chat" else []
+    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
+        max_new_tokens = min(max_new_tokens, limit - 1)
+        ids = ids[:, -(limit - max_new_tokens):]  # the prompt's end is what counts
+    sample = temperature > 0
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        if not hasattr(model, "generate"):  # a model of your own (create_model): a forward
+            out = ids  # pass over the whole sequence per new token (no KV cache), top-k
+            for _ in range(max_new_tokens):
+                logits = torch.nan_to_num(model(input_ids=out).logits[:, -1, :].float())
+                if sample:
+                    logits = logits / temperature
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    next_id = torch.multinomial(torch.softmax(
+                        logits.masked_fill(logits < kth, -math.inf), dim=-1), 1)
+                else:
+                    next_id = logits.argmax(dim=-1, keepdim=True)
+                out = torch.cat([out, next_id], dim=1)
+                if not fixed_length and next_id.item() == tokenizer.eos_token_id:
+                    break
+            return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=sample,
+                             min_new_tokens=max_new_tokens if fixed_length else None,
+                             temperature=temperature if sample else None,
+                             top_k=top_k if sample else None,
+                             pad_token_id=tokenizer.eos_token_id,
+                             remove_invalid_values=True)  # broken weights: nonsense, no crash
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
