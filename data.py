@@ -193,8 +193,9 @@ def expand_urls(urls):
                 found = sorted(glob.glob(url))
             else:
                 found = [url]
-            if not found:
-                raise FileNotFoundError(f"no files match {url!r}")
+            if not found or not local and re.search(r"[*\[]", url.split("?")[0]):
+                raise FileNotFoundError(f"no files match {url!r}" + ("" if local else (
+                    ": remote paths are not globbed; name shards with {a,b} or {000..127}")))
             if odd := [p for p in found if "://" not in p and os.path.exists(p)
                        and not os.path.isfile(p)]:  # a FIFO would block, /dev/zero never end
                 raise DataError(f"shard {odd[0]}: not a regular file (a pipe, a device or a "
@@ -857,7 +858,8 @@ def token_layout(url, head, size, format=None):
     else:
         magic, version, count = np.frombuffer(head[:12].ljust(12, b"\0"), "<i4").tolist()
         dtype = LLMC_HEADERS.get((magic, version))
-        if format != "nanogpt" and (format == "llmc" or magic in {m for m, _ in LLMC_HEADERS}):
+        if format != "nanogpt" and (format == "llmc" or magic in {m for m, _ in LLMC_HEADERS}
+                                    or len(head) == 1024 and not any(head[12:])):  # a header
             if dtype is None:
                 raise DataError(f"shard {url}: no llm.c header it can read (magic {magic}, "
                                 f"version {version}; known: {sorted(LLMC_HEADERS)})")
@@ -1934,8 +1936,8 @@ def _serve(conn, src, depth, every, parent):
 
         def drop(signum, frame):  # Prefetch gave up waiting (until): no item is wanted now
             reading.append(signum)
-            if reading[0]:
-                raise _Dropped
+            if reading[0]:  # (the child ignores SIGINT: this is the one KeyboardInterrupt)
+                raise KeyboardInterrupt
         signal.signal(signal.SIGUSR1, drop)
         while True:
             if ended or not credit or every and made and made % every == 0 and \
@@ -1952,9 +1954,9 @@ def _serve(conn, src, depth, every, parent):
             try:
                 reading[0] = True
                 if len(reading) > 1:
-                    raise _Dropped
+                    raise KeyboardInterrupt
                 item, error = next(src), None
-            except _Dropped:  # (the pipeline is broken now: states are all it has left)
+            except KeyboardInterrupt:  # (the pipeline is broken now: its states are left)
                 ended = True
                 continue
             except Exception as e:  # (StopIteration too) crosses with the child's traceback
@@ -1975,10 +1977,6 @@ def _serve(conn, src, depth, every, parent):
         traceback.print_exc()
     finally:
         os._exit(0)  # never the parent's atexit handlers
-
-
-class _Dropped(BaseException):
-    """Raised in Prefetch's child to end a read that its parent no longer waits for."""
 
 
 def _portable(error):

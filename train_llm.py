@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -45,11 +46,10 @@ DEFAULT_DATA = {"pretrain": f"{KIT}/data/sample/*/", "sft": f"{KIT}/data/sft/"}
 DEFAULT_TOKENIZER = f"{KIT}/assets/tokenizer"
 DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.path.join do?"}
 
-# The flags that decide what the next step computes (the data stream, the model, the update
-# rule: a restored optimizer would silently ignore a changed --lr). Resuming with one of them
-# changed is refused; so is another global batch. The rest (--max-steps, logging, threads) may
-# change. A flag added here must default to what the kit did before it: a run saved without
-# its key counts as having had the default.
+# The flags that decide what the next step computes (data, model, update rule): resuming with
+# one changed is refused (a restored optimizer would silently ignore a new --lr), as is another
+# global batch. A flag added here must default to what the kit did before it (a run saved
+# without its key counts as having had the default).
 FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
                "init_from", "seed", "seq_length", "lr", "min_lr", "warmup_steps",
                "weight_decay", "active_shards", "shuffle_buffer", "epochs", "fsdp", "task",
@@ -166,7 +166,7 @@ def main():
         dist.destroy_process_group()
     if not stop.is_set():
         LOGGER.info(f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens. For "
-                    f"transformers: python scripts/export_hf.py {run.dir}")
+                    f"transformers: python scripts/export_hf.py {shlex.quote(str(run.dir))}")
 
 
 def parse_args(argv=None):
@@ -243,7 +243,7 @@ def build_model(args, device):
     (--init-from: pretrain -> SFT). Float32 weights (autocast does bf16 on a GPU)."""
     tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
     if args.init_from:  # its architecture too: --model-name is not used
-        model = trained.load_trained(args.init_from)[0]
+        model = trained.load_trained(args.init_from, what="--init-from")[0]
     elif args.init_from_pretrained:
         model = utils.pretrained(AutoModelForCausalLM, args.model_name, "--model-name",
                                  use_cache=False, dtype=torch.float32)

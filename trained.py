@@ -39,12 +39,12 @@ def checkpoint_weights(ckpt_dir, name="model"):
 EXPORT_MARKER = "train_llm.json"
 
 
-def load_trained(path, script=None):
+def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"):
     """(model, tokenizer, the run's config or None, the checkpoint or directory read) from what
     a user calls "my model": a run directory (its newest checkpoint), a checkpoint directory, a
     Hugging Face directory (such as a run's hf/) or a Hub name. The model is float32, on the
     CPU. A checkpoint's model is built by the create_model of the script that trained the run
-    (rebuild_model), or of ``script`` if given."""
+    (rebuild_model), or of ``script`` if given. ``what``: how errors name ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if script is not None and not Path(script).is_file():
@@ -53,7 +53,6 @@ def load_trained(path, script=None):
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
         record = path / EXPORT_MARKER  # what hf/ says about the run that made it
         config = json.loads(record.read_text()) if record.exists() else None
-        what = "run, checkpoint or Hugging Face model"
         return (utils.pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
                 utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config,
                 path)
@@ -156,11 +155,16 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
     # FormatInstructions): so does the prompt here. A chat template places its own.
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and \
         prompt_format != "chat" else []
-    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False)], device=device)
+    ids = torch.tensor([bos + tokenizer.encode(text, add_special_tokens=False, verbose=False)],
+                       device=device)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if limit and ids.shape[1] + max_new_tokens > limit:  # past the positions: an IndexError
+        asked, prompt = max_new_tokens, ids.shape[1]
         max_new_tokens = min(max_new_tokens, limit - 1)
         ids = ids[:, -(limit - max_new_tokens):]  # the prompt's end is what counts
+        utils.LOGGER.warning(
+            f"The prompt's {prompt:,} tokens and {asked:,} new ones pass the model's {limit:,} "
+            f"positions: generating {max_new_tokens:,} after the prompt's last {ids.shape[1]:,}")
     sample = temperature > 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -172,6 +173,11 @@ def check_args(parser, args, local_paths, shipped, create_model):
                  "defaults are the kit's shipped assets/ and data/, which a copy of the script "
                  "lacks: pass each of these flags (a local path, or a Hugging Face Hub name), "
                  "or copy assets/ and data/ next to the script. Nothing was written.")
+    if args.init_from and (args.init_from_pretrained or
+                           args.model_name != parser.get_default("model_name")):
+        parser.error(f"--init-from {args.init_from} trains the model it names, as it is: "
+                     "--model-name and --init-from-pretrained would be ignored (and recorded as "
+                     "if they were not). Leave them out.")
     for name in local_paths:
         setattr(args, name, _local(getattr(args, name)) or getattr(args, name))
     save_dir = Path(os.path.abspath(args.save_dir))  # (not resolve(): links may point away)
@@ -211,8 +217,8 @@ def check_args(parser, args, local_paths, shipped, create_model):
 class Run:
     """A run directory as this start sees it: ``dir``; ``state``, the run state (step, tokens,
     the checkpoint to resume from, the config fingerprint, the script that trains it), which
-    goes into state.json and every checkpoint; and ``created``, the directories this start
-    made (a start that fails before training removes them: cli)."""
+    goes into state.json and every checkpoint; and ``created``, the files and directories this
+    start made (a start that fails before training removes them: cli)."""
 
     def __init__(self, exp_dir, rank, created, lock_file):
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
@@ -268,7 +274,8 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     exp_dir = Path(args.save_dir) / args.experiment_name
     created, lock_file = [], None
     if rank == 0:
-        created = [p for p in (exp_dir, *exp_dir.parents) if not p.exists()]
+        created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
+                               *exp_dir.parents) if not p.exists()]
         exp_dir.mkdir(parents=True, exist_ok=True)
         # Locked for as long as this process lives (two runs there would overwrite each other);
         # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
@@ -697,6 +704,11 @@ def expected_failure(error):
         where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
                 "from.)")
+    if before and isinstance(error, ValueError) and any(  # a model's own check of its config
+            f"transformers{os.sep}models{os.sep}" in f.filename for f in
+            traceback.extract_tb(error.__traceback__)[-1:]):
+        return (f"The model's config is one transformers cannot build: {error} (--model-name, "
+                f"or --init-from's config.json)\n({stopped}.)")
     # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
     if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
         return (f"Out of memory: {str(error).strip().splitlines()[-1][:300]}\n({stopped}. "
@@ -733,12 +745,11 @@ def forget_failed_start():
     directory while it is empty): a mistyped flag leaves nothing behind."""
     if RUN is None or not RUN.created or RUN.training:
         return
-    for name in ("train.log", ".lock"):
-        with contextlib.suppress(FileNotFoundError):
-            (RUN.dir / name).unlink()
-    for directory in RUN.created:  # the run's own first, then its new parents
+    for path in RUN.created:  # its new files, the run's own directory, then its new parents
         try:
-            directory.rmdir()
+            path.rmdir() if path.is_dir() else path.unlink()
+        except FileNotFoundError:
+            continue
         except OSError:  # not empty: someone else's now
             return
 
@@ -1162,6 +1173,8 @@ def trained_tokenizer(path):
     or Hub name), or None where ``path`` is none of those (load_trained then says why)."""
     if not path:
         return None
+    if only_a_path(path):  # (load_trained says that it is missing)
+        return None
     if not Path(path).exists() or (Path(path) / "config.json").exists():
         return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
     try:
@@ -1218,13 +1231,12 @@ def pretrained(cls, name, what, **kwargs):
     directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, more
     than one /, or a first part that is a local directory: outputs/mistyped) is not sent to
     the Hub: it would only wait for the network to fail."""
-    if not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~"))
-                                     or name.count("/") > 1 or os.path.isdir(name.split("/")[0])):
+    if only_a_path(name):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
                                 f"{os.getcwd()}; a name that begins with a directory there is "
                                 "a path, not a Hub name)")
     try:
-        return cls.from_pretrained(name, **kwargs)
+        loaded = cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if os.path.exists(name):
@@ -1232,6 +1244,17 @@ def pretrained(cls, name, what, **kwargs):
                 from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
+    if hasattr(loaded, "get_vocab") and len(loaded) < 2:  # (a model's directory, say)
+        raise OSError(f"{what} {name}: holds no tokenizer (no tokenizer.json, vocab.json or "
+                      f"tokenizer.model: transformers made one of {len(loaded)} token)")
+    return loaded
+
+
+def only_a_path(name):
+    """Whether ``name``, which does not exist, can only be a path (absolute, ./, ~, more than
+    one /, or a first part that is a local directory: outputs/mistyped), not a Hub name."""
+    return not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~")) or
+                                         name.count("/") > 1 or os.path.isdir(name.split("/")[0]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1358,8 +1381,15 @@ def write_failure(path, error):
     existing = next(p for p in [Path(path), *Path(path).parents] if p.exists())
     free = shutil.disk_usage(existing).free / GiB
     reason = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(error).__name__
-    return OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk: free "
-                   "some space and rerun the same command")
+    mend = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (a disk quota)",
+            errno.EFBIG: "the file is larger than this process may write (ulimit -f) or the "
+            "file system holds", errno.EACCES: "no permission to write there",
+            errno.EPERM: "the file system refuses the write (a read-only or immutable file: "
+            "chattr +i)", errno.EROFS: "the file system is read-only"}.get(
+        getattr(cause, "errno", None), "free some space" if free < 1 else
+        "check what the disk refuses (space, permissions, a file size limit: ulimit -f)")
+    return OSError(f"writing {path} failed ({reason}); {free:.2f} GiB free on that disk: "
+                   f"{mend}, and rerun the same command")
 
 
 def save_tensors(obj, f):

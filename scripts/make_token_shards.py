@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
+import utils  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +74,7 @@ def main():
     parser.add_argument("--tokenizer", default=str(ROOT / "assets/tokenizer"))
     parser.add_argument("--column", default="text", help="the field that holds the text")
     args = parser.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
     if tokenizer.eos_token_id is None:
         sys.exit(f"--tokenizer {args.tokenizer} has no EOS token: token files tell documents "
                  "apart by EOS")
@@ -82,6 +83,9 @@ def main():
     urls = data.expand_urls(args.data)
     if any("://" in url for url in urls):
         sys.exit("--data: local files only (copy remote shards first)")
+    if tokens := [url for url in urls if data.shard_format(url) == "tokens"]:
+        sys.exit(f"--data {tokens[0]} is a token file already: this script makes token files "
+                 "from text shards (JSON Lines, JSON arrays, text, Parquet)")
     common = os.path.commonpath([os.path.dirname(os.path.abspath(url)) for url in urls])
     suffix = ".npy" if args.layout == "npy" else ".bin"
     dtype = np.uint32 if len(tokenizer) > 1 << 16 else np.uint16

@@ -28,7 +28,7 @@ from helpers import (
     train_args,
     wait_for,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import trained
 import utils
@@ -386,3 +386,16 @@ def test_export_and_generate_of_a_run_that_rotates_its_checkpoints_as_it_trains(
         assert proc.poll() is None  # (it was training all along)
     finally:
         proc.kill()
+
+
+def test_generate_past_the_models_positions_says_what_it_cut(tiny_model, caplog):
+    """A prompt and --max-new-tokens longer than the model's positions (64 here): the prompt's
+    end and a capped count are generated, and the log says so in numbers."""
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
+    prompt = " ".join(["river"] * 100)
+    n = len(tokenizer.encode(prompt, add_special_tokens=False)) + 1  # (+ BOS)
+    trained.generate(model, tokenizer, prompt, max_new_tokens=1000, temperature=0)
+    assert f"The prompt's {n:,} tokens and 1,000 new ones pass the model's 64 positions: " \
+           "generating 63 after the prompt's last 1" in caplog.text
+    assert "indexing errors" not in caplog.text

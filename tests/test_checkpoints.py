@@ -3,7 +3,9 @@ with every guarantee of a synchronous save. (test_failed_saves.py crashes the ba
 writer before each kind of file-system step and fills its disk; test_train.py and
 test_distributed.py SIGKILL runs that write in the background.)"""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -173,3 +175,20 @@ def test_background_saves_go_on_under_torch_2_11_whose_stager_empties_itself(
     assert json.loads((saved / "loader-rank0.json").read_text()) == {"offset": 2}
     weights = torch.load(saved / "model.pt", weights_only=True)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("code, words, not_words", [
+    (errno.ENOSPC, "free some space", "ulimit"),
+    (errno.EFBIG, "ulimit -f", "free some space"),
+    (errno.EPERM, "chattr +i", "free some space"),
+    (errno.EACCES, "no permission", "free some space")])
+def test_a_failed_write_is_told_by_its_cause_not_always_as_a_full_disk(tmp_path, code, words,
+                                                                       not_words):
+    """A full disk, a file size limit (ulimit -f), an immutable file, a denied directory: each
+    failed checkpoint write names the file and says what to mend."""
+    def write(f):
+        raise OSError(code, os.strerror(code))
+
+    with pytest.raises(OSError, match=f"writing {tmp_path / 'x.pt'} failed") as failed:
+        utils._write_file(tmp_path / "x.pt", write)
+    assert words in str(failed.value) and not_words not in str(failed.value)

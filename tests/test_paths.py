@@ -3,6 +3,7 @@ them absolute, and a path that does not exist or does not load is one paragraph 
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -120,3 +121,12 @@ def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_p
         trained.load_trained("outputs/demoo")
     utils.pretrained(AutoTokenizer, "someone/model", "--tokenizer")
     assert asked == ["someone/model"]
+
+
+def test_the_export_hint_of_a_run_in_a_path_with_spaces_is_a_command_that_works(tmp_path,
+                                                                                tiny_model):
+    save_dir = tmp_path / "my runs"
+    result = train(train_args(save_dir, tiny_model, name="it's", max_steps=1, val_freq=1))
+    assert result.returncode == 0, result.stderr
+    hint = result.stderr.split("For transformers: ")[1].splitlines()[0]
+    assert shlex.split(hint) == ["python", "scripts/export_hf.py", str(save_dir / "it's")]

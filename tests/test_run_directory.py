@@ -239,3 +239,17 @@ def test_a_rollback_that_trains_nothing_changes_nothing(four_steps, tmp_path, ti
                               resume_from="step-000002"))
     refused(result, "--resume-from step-000002 with --max-steps 2 trains nothing")
     assert snapshot(exp) == before
+
+
+def test_a_refused_start_in_a_users_directory_leaves_it_as_it_was(tmp_path, tiny_model):
+    """A directory of the user's own (here with a state.json that is no run's) is refused, and
+    the start leaves no train.log or .lock behind it: "nothing was changed" holds."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "state.json").write_text("{my notes, not a run")
+    (mine / "notes.txt").write_text("mine")
+    before = snapshot(mine)
+    result = train(train_args(tmp_path, tiny_model, name="mine", max_steps=2))
+    refused(result, "unreadable", "Nothing was changed")
+    assert snapshot(mine) == before
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "state.json"]

@@ -366,6 +366,15 @@ def test_an_http_server_that_stops_answering_mid_read_fails_it_in_the_retry_time
     assert web.stalled.is_set() and time.monotonic() - began < 15
 
 
+@pytest.mark.parametrize("url", ["s3://kit-data/shards/*.jsonl", "gs://b/train-[0-3].jsonl",
+                                 "http://127.0.0.1:9/shards/*.jsonl"])  # (port 9: closed)
+def test_a_glob_in_a_remote_url_is_refused_at_once_with_the_way_out(url):
+    began = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"not globbed; name shards with \{a,b\}"):
+        Files(url)
+    assert time.monotonic() - began < 5  # (no request, so no retries)
+
+
 def main_thread_waits(pid):
     """Whether a process's main thread sleeps in a read or poll syscall (Linux x86-64 and
     arm64): how a trainer whose loader waits for a batch looks from outside."""

@@ -170,6 +170,8 @@ def test_bad_token_files_are_refused_naming_the_shard(tmp_path, layout):
         refused_file("version.bin", header.tobytes() + data_bytes[1024:], "version 3")
         header[1], header[2] = 1, 100  # more ids than the file holds
         refused_file("count.bin", header.tobytes() + data_bytes[1024:], "100 ids")
+        header[0], header[2] = 12345, 7  # a magic number it does not know: still a header
+        refused_file("magic.bin", header.tobytes() + data_bytes[1024:], "magic 12345")
     if layout == "npy":
         np.save(tmp_path / "floats.npy", np.zeros(4))
         refused_file("floats.npy", (tmp_path / "floats.npy").read_bytes(), "integer ids")
@@ -259,6 +261,19 @@ def test_make_token_shards_never_writes_over_a_file(tmp_path, capsys, monkeypatc
     with pytest.raises(SystemExit, match="--out .*out/train-000.bin is a file"):
         script("make_token_shards", ["--data", shard, "--out", tmp_path / "out/train-000.bin"],
                capsys, monkeypatch)
+
+
+def test_make_token_shards_names_a_missing_tokenizer_and_a_token_file_given_as_text(
+        tmp_path, capsys, monkeypatch):
+    shard = ROOT / "data/sample/prose/train-000.jsonl"
+    with pytest.raises(SystemExit, match="--tokenizer /nonexistent: no such file or directory"):
+        script("make_token_shards", ["--data", shard, "--out", tmp_path / "o", "--tokenizer",
+                                     "/nonexistent"], capsys, monkeypatch)
+    made = write_tokens(tmp_path / "train.bin", [[5, 6]], "llmc")
+    with pytest.raises(SystemExit, match="train.bin is a token file already"):
+        script("make_token_shards", ["--data", made, "--out", tmp_path / "o"], capsys,
+               monkeypatch)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow
