@@ -9,7 +9,6 @@ model, optimizer, schedule, pipeline, step, loss, metrics, what a checkpoint hol
 keeps the run directory and checkpoints safe, data.py is the data pipeline.
 """
 
-import argparse
 import functools
 import math
 import os
@@ -596,7 +595,7 @@ def evaluate(model, batches, ctx, n_domains=0, stop=None):
 # --- Command-line arguments (their types, which check each flag as it is parsed, are in utils) ---
 
 def get_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = utils.ArgumentParser(description=__doc__.split("\n")[0])  # argparse's
     at_least, finite = utils.at_least, utils.finite  # argparse types that check a flag
 
     add = parser.add_argument_group("run").add_argument

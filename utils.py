@@ -70,6 +70,14 @@ RUN = None  # the Run this process opened: what cli() tells, or cleans up, when 
 # Flags: argparse types (each checks one flag as it is parsed) and check_args
 # ----------------------------------------------------------------------------------------------
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, whose refusals also reach torchrun's table of failures (tell_torchrun)."""
+
+    def error(self, message):
+        tell_torchrun(f"{self.prog}: error: {message}")
+        super().error(message)
+
+
 def at_least(low, high=None):
     """An argparse type: an int >= low (0 steps or 0 sequences mean nothing), <= high."""
     def integer(text):
@@ -173,8 +181,12 @@ def check_args(parser, args, local_paths, shipped, create_model):
                  "defaults are the kit's shipped assets/ and data/, which a copy of the script "
                  "lacks: pass each of these flags (a local path, or a Hugging Face Hub name), "
                  "or copy assets/ and data/ next to the script. Nothing was written.")
-    if args.init_from and (args.init_from_pretrained or
-                           args.model_name != parser.get_default("model_name")):
+    if args.init_from and only_a_path(args.init_from):  # (before --tokenizer, which is its)
+        parser.error(f"--init-from {args.init_from}: no such file or directory (a run started "
+                     "from it builds its model from it: on resume too, so keep it there)")
+    new = not (Path(args.save_dir) / args.experiment_name / "state.json").exists()
+    if args.init_from and new and (args.init_from_pretrained or
+                                   args.model_name != parser.get_default("model_name")):
         parser.error(f"--init-from {args.init_from} trains the model it names, as it is: "
                      "--model-name and --init-from-pretrained would be ignored (and recorded as "
                      "if they were not). Leave them out.")

@@ -63,8 +63,10 @@ MAX_STEPS = 30  # train_args' --max-steps
 
 
 def train_args(save_dir, model, name="run", **overrides):
-    """train_llm.py's flags for a run of a few seconds: 32-token sequences, 30 steps."""
-    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
+    """train_llm.py's flags for a run of a few seconds: 32-token sequences, 30 steps (``model``
+    None: no --model-name, as with --init-from)."""
+    args = {"experiment-name": name, "save-dir": save_dir, **({"model-name": model} if model
+                                                                else {}),
             "seq-length": 32, "batch-size": 4, "max-steps": MAX_STEPS, "lr": 1e-2,
             "warmup-steps": 5, "log-freq": 5, "val-freq": 10, "val-batches": 2,
             "ckpt-freq": 10, "wandb": "disabled", "tokenizer-threads": 1}
@@ -453,7 +455,8 @@ CORPUS_STEPS = 12
 
 
 def corpus_args(save_dir, model, corpus, name="run", **overrides):
-    args = {"experiment-name": name, "save-dir": save_dir, "model-name": model,
+    args = {"experiment-name": name, "save-dir": save_dir, **({"model-name": model} if model
+                                                                else {}),
             "dataset": corpus / "train/*.jsonl", "val-dataset": corpus / "val/*.jsonl",
             "tokenizer": corpus / "tokenizer", "seq-length": 32, "batch-size": 4,
             "max-steps": CORPUS_STEPS, "lr": 1e-2, "warmup-steps": 3, "log-freq": 4,

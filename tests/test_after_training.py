@@ -105,7 +105,7 @@ def test_init_from_a_run_a_checkpoint_or_an_hf_directory(run_dir, tiny_model, tm
     sources = {"run": run_dir, "checkpoint": run_dir / "checkpoints/step-000005",
                "hf": run_dir / "hf"}
     for name, source in sources.items():
-        result = train([*train_args(tmp_path, tiny_model, name, max_steps=1, lr=1e-30,
+        result = train([*train_args(tmp_path, None, name, max_steps=1, lr=1e-30,
                                     min_lr=0, task="sft", seq_length=64),
                         f"--init-from={source}"])
         assert result.returncode == 0, result.stderr
@@ -132,7 +132,7 @@ def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir
     one.write_text("".join(p.read_text() for p in sorted(ROOT.glob("data/sample/*/train-*"))))
 
     def run(name, **overrides):
-        return [*train_args(tmp_path, tiny_model, name, dataset=one, **overrides),
+        return [*train_args(tmp_path, None, name, dataset=one, **overrides),
                 f"--init-from={run_dir}"]
 
     result = train(run("straight", sample_tokens=0))
@@ -275,13 +275,13 @@ def test_a_run_from_another_runs_weights_keeps_that_runs_tokenizer(tmp_path, tin
     pre = train(train_args(tmp_path, tiny_model, name="pre", max_steps=2, ckpt_freq=2,
                            tokenizer=str(other)))
     assert pre.returncode == 0, pre.stderr[-2000:]
-    args = train_args(tmp_path, tiny_model, name="sft", max_steps=1, task="sft", seq_length=64,
+    args = train_args(tmp_path, None, name="sft", max_steps=1, task="sft", seq_length=64,
                       init_from=str(tmp_path / "pre"))
     result = train(args)
     assert result.returncode == 0, result.stderr[-2000:]
     state = json.loads((tmp_path / "sft/state.json").read_text())
     assert state["config"]["tokenizer"] == str(other)
-    refused(train([*train_args(tmp_path, tiny_model, name="sft2", max_steps=1, task="sft",
+    refused(train([*train_args(tmp_path, None, name="sft2", max_steps=1, task="sft",
                                seq_length=64, init_from=str(tmp_path / "pre")),
                    f"--tokenizer={ROOT / 'assets/tokenizer'}"]),
             "is not the tokenizer that --init-from", str(other))

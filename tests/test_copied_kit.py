@@ -100,7 +100,7 @@ def test_the_kits_scripts_and_init_from_rebuild_the_copys_model(straight, tiny_m
     result = kit_script("export_hf", [ckpt, "--out", tmp_path / "out"])
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "out/config.json").read_text())["n_layer"] == 3
-    result = run_in(ROOT, "train_llm.py", args_for(tmp_path, tiny_model, name="sft",
+    result = run_in(ROOT, "train_llm.py", args_for(tmp_path, None, name="sft",
                                                    init_from=straight, max_steps=2))
     assert result.returncode == 0, result.stderr
     assert "transformer.h.2.attn.c_attn.weight" in weights(tmp_path / "sft/checkpoints/step-000002")
@@ -173,7 +173,7 @@ def test_a_flag_that_create_model_reads_outside_the_fingerprint_rebuilds_the_mod
     assert result.returncode == 0, result.stderr
     result = kit_script("generate", [tmp_path / "run", "--prompt", "def", "--max-new-tokens", "2"])
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
-    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, name="next",
+    result = run_in(script.parent, script.name, args_for(tmp_path, None, name="next",
                                                         init_from=tmp_path / "run", max_steps=1))
     assert result.returncode == 0, result.stderr
     assert "transformer.h.1.attn.c_attn.weight" in weights(

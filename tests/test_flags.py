@@ -2,6 +2,8 @@
 before anything starts; flags that set others (--global-batch-size) set them right."""
 
 
+import json
+
 import pytest
 import torch
 from helpers import (
@@ -57,6 +59,28 @@ def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_llm.parse_args(["-e", "x", *argv])
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_flag_refused_when_parsed_reaches_torchruns_table_of_failures(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Under torchrun, a refusal at parse time goes into the rank's error file too (torchrun's
+    closing table shows it, not "error_file: <N/A>"), like the refusals after parsing."""
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    for argv, words in ((["-e", "x", "--lr", "nan"], "--lr: must be a finite number > 0"),
+                        (["-e", "x", "--min-lr", "1", "--lr", "0.1"], "--min-lr 1.0 is above")):
+        with pytest.raises(SystemExit):
+            train_llm.parse_args(argv)
+        error = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+        assert words in error and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--model-name", "gpt2"], ["--init-from-pretrained"]])
+def test_init_from_with_a_model_of_its_own_is_refused_not_recorded(extra, tmp_path, capsys):
+    """--init-from trains the model it names: a --model-name beside it would be ignored, and
+    state.json would record it as the run's model."""
+    with pytest.raises(SystemExit):
+        train_llm.parse_args(["-e", "x", "--init-from", str(tmp_path), *extra])
+    assert "--model-name and --init-from-pretrained would be ignored" in capsys.readouterr().err
 
 
 def test_an_infinite_grad_clip_means_never_clip():

@@ -95,7 +95,8 @@ def test_generate_and_init_from_rebuild_it_from_the_run(straight, project, tmp_p
     exp_dir = straight[0]
     result = kit_script("generate", [exp_dir, "--prompt", "def", "--max-new-tokens", "8"])
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
-    result = own(project, args_for(tmp_path, name="next", init_from=exp_dir, max_steps=2))
+    result = own(project, [a for a in args_for(tmp_path, name="next", init_from=exp_dir,
+                                               max_steps=2) if not a.startswith("--model-name")])
     assert result.returncode == 0, result.stderr
     weights = tmp_path / "next/checkpoints/step-000002/model.pt"
     assert "tokens.weight" in torch.load(weights, weights_only=True)

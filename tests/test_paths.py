@@ -58,13 +58,14 @@ def test_paths_that_do_not_exist_are_one_paragraph(tmp_path, tiny_model, capsys,
         with pytest.raises(SystemExit) as exit_:
             script(name, argv, capsys, monkeypatch)
         assert "no such file or directory" in str(exit_.value.code), name
-    for flag in ("tokenizer", "model_name", "init_from"):
+    for flag in ("tokenizer", "model_name"):
         args = train_llm.parse_args(train_args(tmp_path, tiny_model, **{flag: missing}))
         with pytest.raises(FileNotFoundError, match="no such file or directory"):
             train_llm.build_model(args, torch.device("cpu"))
-    # Through the CLI: one paragraph (an OSError, like every expected failure).
-    result = train(train_args(tmp_path, tiny_model, name="i", max_steps=1, init_from=missing))
-    refused(result, missing, "no such file or directory")
+    # Through the CLI: one paragraph, naming the flag (not --tokenizer, which follows it).
+    result = train(train_args(tmp_path, None, name="i", max_steps=1, init_from=missing))
+    refused(result, f"--init-from {missing}: no such file or directory")
+    assert "--tokenizer" not in result.stderr.splitlines()[-1]
 
 
 def test_a_local_model_directory_that_does_not_load_is_called_that(tmp_path):
