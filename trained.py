@@ -53,9 +53,15 @@ def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"
     if not path.exists() or (path / "config.json").exists():  # Hugging Face layout, or Hub
         record = path / EXPORT_MARKER  # what hf/ says about the run that made it
         config = json.loads(record.read_text()) if record.exists() else None
-        return (utils.pretrained(AutoModelForCausalLM, str(path), what, dtype=torch.float32),
-                utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"), config,
-                path)
+        model, info = utils.pretrained(AutoModelForCausalLM, str(path), what,
+                                       dtype=torch.float32, output_loading_info=True)
+        if info["missing_keys"] or info["unexpected_keys"]:  # (it would run, as another model)
+            raise OSError(f"{what} {path}: transformers makes {len(info['missing_keys'])} of its "
+                          f"weights at random and drops {len(info['unexpected_keys'])} (e.g. "
+                          f"{sorted({*info['missing_keys'], *info['unexpected_keys']})[:3]}): it "
+                          "is not the model it was saved from")
+        return (model, utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"),
+                config, path)
     model, config, ckpt_dir = utils.read_checkpoint(path, lambda ckpt: from_checkpoint(
         ckpt, script))
     tokenizer = utils.pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")

@@ -22,6 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,6 +56,7 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
         (tmp / marker).write_text(json.dumps({**config, "exported_from": checkpoint}, indent=2))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        check_export(tmp, model)
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         (tmp / marker).write_text(json.dumps(
             {**config, "exported_from": checkpoint, "files": written}, indent=2))
@@ -63,6 +65,8 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
             shutil.copy2(out / name, tmp / name)
     except Exception as e:  # safetensors reports a full disk as its own SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, NotTheModel):
+            raise
         if (failure := utils.write_failure(out, e)) is None:
             raise
         raise failure from e
@@ -74,6 +78,29 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
         os.rename(out, old)
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+class NotTheModel(OSError):
+    """An export that transformers loads as another model than the run's."""
+
+
+def check_export(path, model):
+    """The export at ``path``, loaded as any user loads it, against ``model``: every weight
+    loads, and the logits of a fixed batch agree; else NotTheModel, naming the weights."""
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True, dtype=torch.float32)
+    ids = torch.arange(16).remainder(model.config.vocab_size).view(1, -1)
+    with torch.no_grad():
+        diff = (loaded.eval()(input_ids=ids).logits - model.eval()(input_ids=ids).logits).abs()
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if missing or unexpected or diff.max() > 1e-4:
+        raise NotTheModel(
+            f"transformers loads the export as a model other than the run's: its logits differ "
+            f"by up to {diff.max():.3g}; {len(missing)} weight(s) it would make at random (e.g. "
+            f"{missing[:3]}), {len(unexpected)} it would drop (e.g. {unexpected[:3]}). Nothing "
+            "was written. A model with modules of its own (adapters such as LoRA) turns itself "
+            "into the plain architecture first: give it a merge_and_unload() that returns that "
+            "model (as PEFT's models have; README, Changing the kit).")
 
 
 def added_by_user(out, written):
@@ -126,6 +153,8 @@ def main():
     kit = project.project_kit(source, args.script)  # a copy's own trained.py, if it has one
     model, tokenizer, config, checkpoint = project.load_trained(kit, source, args.script,
                                                                 args.weights)
+    if callable(getattr(model, "merge_and_unload", None)):  # adapters (LoRA) merged: plain
+        model = model.merge_and_unload()
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "

@@ -399,3 +399,18 @@ def test_generate_past_the_models_positions_says_what_it_cut(tiny_model, caplog)
     assert f"The prompt's {n:,} tokens and 1,000 new ones pass the model's 64 positions: " \
            "generating 63 after the prompt's last 1" in caplog.text
     assert "indexing errors" not in caplog.text
+
+
+def test_a_hugging_face_directory_that_loads_as_another_model_is_refused(tiny_model, tmp_path):
+    """A directory whose weights transformers would not all use (an export of adapters, say):
+    generate.py and evaluate.py refuse it by name, never run a half-random model."""
+    from safetensors.torch import load_file, save_file
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)).save_pretrained(
+        tmp_path)
+    AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    name = next(k for k in weights if k.endswith("attn.c_attn.weight"))
+    weights[name.replace("c_attn.weight", "c_attn.base.weight")] = weights.pop(name)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match=r"makes 1 of its weights at random and drops 1"):
+        trained.load_trained(tmp_path)

@@ -11,6 +11,9 @@ import sys
 import pytest
 import torch
 from helpers import ENV, ROOT, copy_kit, kill_at, refused, snapshot, train_args
+from transformers import AutoModelForCausalLM
+
+import trained
 
 STEPS = 8
 THREE_BLOCKS = """
@@ -220,3 +223,65 @@ def test_a_copys_modules_that_cannot_serve_the_scripts_leave_the_kits_in_place(t
         assert project.project_kit(tmp_path, script=tmp_path / "train.py") is trained
         assert sys.modules["utils"] is utils and sys.modules["data"] is data
         assert sys.modules["trained"] is trained
+
+
+LORA = """
+    class LoRA(torch.nn.Module):
+        '''A frozen GPT-2 Conv1D plus a trained low-rank update: x W + b + x A B.'''
+
+        def __init__(self, base, rank=2):
+            super().__init__()
+            self.base = base.requires_grad_(False)
+            self.lora_a = torch.nn.Parameter(torch.randn(base.weight.shape[0], rank) * 0.1)
+            self.lora_b = torch.nn.Parameter(torch.zeros(rank, base.weight.shape[1]))
+
+        def forward(self, x):
+            return self.base(x) + x @ self.lora_a @ self.lora_b
+
+
+    class LoRAGPT2(GPT2LMHeadModel):
+        def merge_and_unload(self):  # (for export_hf.py: the plain GPT-2, its updates merged)
+            for block in self.transformer.h:
+                lora = block.attn.c_attn
+                lora.base.weight.data += lora.lora_a.data @ lora.lora_b.data
+                block.attn.c_attn = lora.base
+            return self
+
+
+    def create_model(args):
+        config = utils.pretrained(AutoConfig, args.model_name, "--model-name", use_cache=False)
+        model = LoRAGPT2(config)
+        for block in model.transformer.h:
+            block.attn.c_attn = LoRA(block.attn.c_attn)
+        return model
+"""
+
+
+@pytest.mark.slow
+def test_a_lora_model_exports_merged_or_is_refused_never_exported_wrong(tiny_model, tmp_path):
+    """A model with adapters of its own (LoRA) saves weights that transformers' GPT-2 does not
+    know: export_hf.py refuses it by name, writing nothing; with merge_and_unload (the place
+    for it, as PEFT's models have) the export is the run's model, logit for logit."""
+    script = copy_kit(tmp_path / "proj", "lora.py", LORA, edits=[(
+        "from transformers import AutoConfig,",
+        "from transformers import GPT2LMHeadModel\nfrom transformers import AutoConfig,")])
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=4,
+                                                         lr=0.05))
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    result = kit_script("export_hf", [run, "--out", tmp_path / "merged"])
+    assert result.returncode == 0, result.stderr
+    model = trained.rebuild_model(script, json.loads((run / "state.json").read_text())["args"],
+                                  run)
+    model.load_state_dict(weights(run / "checkpoints/step-000004"))
+    assert any(block.attn.c_attn.lora_b.abs().sum() > 0 for block in model.transformer.h)
+    ids = torch.arange(16).view(1, -1)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits,
+                                   model.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    script.write_text(script.read_text().replace("def merge_and_unload", "def _unmerged"))
+    refused(kit_script("export_hf", [run, "--out", tmp_path / "plain"]),
+            "transformers loads the export as a model other than the run's", "lora_a",
+            "merge_and_unload")
+    assert not (tmp_path / "plain").exists() and not (tmp_path / "plain.tmp").exists()

@@ -74,6 +74,14 @@ def test_a_local_model_directory_that_does_not_load_is_called_that(tmp_path):
         utils.pretrained(AutoTokenizer, str(tmp_path), "--model-name")
 
 
+def test_a_directory_without_a_tokenizer_is_refused_as_a_tokenizer(tmp_path):
+    """A model's directory (config.json, no tokenizer files) as --tokenizer: transformers
+    makes a tokenizer of one token from it, which would fail later as "too few tokens"."""
+    (tmp_path / "config.json").write_text((ROOT / "assets/tiny-gpt2/config.json").read_text())
+    with pytest.raises(OSError, match="--tokenizer .*: holds no tokenizer"):
+        utils.pretrained(AutoTokenizer, str(tmp_path), "--tokenizer")
+
+
 def test_a_kit_in_a_directory_named_like_a_glob_finds_its_data(tmp_path, monkeypatch):
     """A clone in kit[1]/: the shipped data/sample/*/ and a relative glob typed there are that
     directory's files (its name escaped), and --mix finds the shipped domains."""
