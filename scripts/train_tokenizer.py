@@ -4,7 +4,7 @@
 1. A byte-level BPE tokenizer (GPT-2 style, vocab 8192) is trained with the
    `tokenizers` library on the train shards of data/sample (all domains; --data
    takes what train_llm.py's --dataset takes: files, globs, directories) and
-   saved to assets/tokenizer/ so that, offline,
+   saved to --out (the kit ships assets/tokenizer/) so that, offline,
        AutoTokenizer.from_pretrained("assets/tokenizer")
    returns a fast tokenizer with bos == eos == "<|endoftext|>" and a separate
    pad token "<|pad|>". Byte-level means every string round-trips exactly
@@ -14,8 +14,10 @@
    pass uses no randomness (needed for bit-exact resume of training).
 
 Both outputs are deterministic: the same data gives byte-identical files.
-Regenerate with (after scripts/make_sample_data.py):
-    python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl'
+Regenerate the shipped ones with (after scripts/make_sample_data.py):
+    python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl' \
+        --out assets/tokenizer --config-out assets/tiny-gpt2 --overwrite
+Without --overwrite it writes into new or empty directories only (default: outputs/).
 """
 import argparse
 import json
@@ -64,11 +66,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="data/sample/*/train-*.jsonl",
                     help="training text: shards, globs, {a,b} patterns or directories")
-    ap.add_argument("--out", type=Path, default=Path("assets/tokenizer"))
-    ap.add_argument("--config-out", type=Path, default=Path("assets/tiny-gpt2"))
+    ap.add_argument("--out", type=Path, default=Path("outputs/tokenizer"))
+    ap.add_argument("--config-out", type=Path, default=Path("outputs/tiny-gpt2"))
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--max-length", type=int, default=512, help="model_max_length = n_positions")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write over the files of --out and --config-out (the shipped assets/)")
     args = ap.parse_args()
+    if not args.overwrite:  # (a directory with files: the shipped assets, a user's own)
+        for path in (args.out, args.config_out):
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                sys.exit(f"{path} exists and is not empty: nothing written. Pick another "
+                         "--out/--config-out, or pass --overwrite to replace its files.")
 
     # Sorted so the training stream, hence the merges, is the same every run.
     try:

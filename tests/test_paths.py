@@ -14,6 +14,7 @@ from helpers import (
     ROOT,
     refused,
     script,
+    snapshot,
     train,
     train_args,
 )
@@ -116,6 +117,25 @@ def test_a_tokenizer_trains_on_a_glob_and_no_match_is_one_paragraph(tmp_path, ca
         script("train_tokenizer", ["--data", "nope/*.jsonl", "--out", tmp_path / "t2"],
                capsys, monkeypatch)
     assert not (tmp_path / "t2").exists()
+
+
+def test_train_tokenizer_never_writes_over_a_tokenizer_unless_told(tmp_path, capsys,
+                                                                  monkeypatch):
+    """Its defaults are outputs/; a directory with files (the shipped assets/ among them) is
+    written over only with --overwrite."""
+    prose = ["--data", f"{ROOT}/data/sample/prose/train-*.jsonl", "--vocab-size", "400"]
+    before = snapshot(ROOT / "assets")
+    for argv in (["--out", ROOT / "assets/tokenizer", "--config-out", tmp_path / "c"],
+                 ["--out", tmp_path / "t", "--config-out", ROOT / "assets/tiny-gpt2"]):
+        with pytest.raises(SystemExit, match="exists and is not empty: nothing written"):
+            script("train_tokenizer", [*prose, *argv], capsys, monkeypatch)
+    assert snapshot(ROOT / "assets") == before and not (tmp_path / "c").exists()
+    monkeypatch.chdir(tmp_path)
+    script("train_tokenizer", prose, capsys, monkeypatch)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "outputs/tokenizer")) == 400
+    with pytest.raises(SystemExit, match="outputs/tokenizer exists and is not empty"):
+        script("train_tokenizer", prose, capsys, monkeypatch)
+    script("train_tokenizer", [*prose, "--overwrite"], capsys, monkeypatch)
 
 
 def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_path,
