@@ -84,9 +84,11 @@ def laid_out(tokenizer, layout, data):
 
 
 def scores(results):
-    """{task: {metric: value}} of lm_eval's results, its ",none" filter suffix dropped."""
+    """{task: {metric: value}} of lm_eval's results, its ",none" filter suffix dropped; each
+    score's standard error beside it as METRIC_stderr (a difference of less than about two
+    of them between two runs is noise)."""
     return {task: {k.removesuffix(",none"): v for k, v in metrics.items()
-                   if "," in k and "stderr" not in k and isinstance(v, (int, float))}
+                   if "," in k and isinstance(v, (int, float))}
             for task, metrics in results["results"].items()}
 
 
@@ -164,10 +166,13 @@ def main():
     results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit,
                               apply_chat_template=chat, task_manager=tasks)
     table = scores(results)
-    print("| task | metric | value |\n|---|---|---:|")
+    print("| task | metric | value | ± stderr |\n|---|---|---:|---:|")
     for task, metrics in table.items():
         for metric, value in metrics.items():
-            print(f"| {task} | {metric} | {value:.4f} |")
+            if not metric.endswith("_stderr"):
+                error = metrics.get(f"{metric}_stderr")
+                print(f"| {task} | {metric} | {value:.4f} | "
+                      f"{'n/a' if error is None else f'{error:.4f}'} |")
     if (out := record(scored, table, args)) is not None:
         print(f"(appended to {out})")
 

@@ -14,18 +14,21 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import data
 
 
-def table(out):
-    """{(task, metric): value} of evaluate.py's printed table."""
+def table(out, stderr=False):
+    """{(task, metric): value (or its standard error)} of evaluate.py's printed table."""
     rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| kit")]
-    return {(task.strip(), metric.strip()): float(value) for task, metric, value in rows}
+    return {(task.strip(), metric.strip()): error.strip() if stderr else float(value)
+            for task, metric, value, error in rows}
 
 
 @pytest.mark.slow
 def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
         four_steps, tmp_path, capsys, monkeypatch):
     exp = copy_run(four_steps, tmp_path)
-    scores = table(script("evaluate", [exp, "--limit", 6], capsys, monkeypatch))
+    out = script("evaluate", [exp, "--limit", 6], capsys, monkeypatch)
+    scores, errors = table(out), table(out, stderr=True)
     assert {("kit_cloze", "acc"), ("kit_bpb", "bits_per_byte")} <= set(scores)
+    assert float(errors["kit_cloze", "acc"]) > 0  # runs are compared with their noise
     assert 0 <= scores["kit_cloze", "acc"] <= 1 and scores["kit_bpb", "bits_per_byte"] > 0
     assert table(script("evaluate", [exp / "hf", "--limit", 6], capsys, monkeypatch)) == scores
     script("evaluate", [exp / "checkpoints/step-000002", "--limit", 6, "--tasks", "kit_bpb"],
@@ -34,6 +37,7 @@ def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
     assert [(line["task"], line["step"]) for line in lines] == [
         ("kit_cloze", 4), ("kit_bpb", 4), ("kit_bpb", 2)]  # (hf/ is no run: not kept)
     assert lines[1]["bits_per_byte"] == pytest.approx(scores["kit_bpb", "bits_per_byte"], abs=1e-4)
+    assert lines[0]["acc_stderr"] == pytest.approx(float(errors["kit_cloze", "acc"]), abs=1e-4)
 
 
 @pytest.mark.parametrize("tasks", ["", ","])
