@@ -91,9 +91,22 @@ def from_checkpoint(ckpt_dir, script=None):
         model.load_state_dict(state)
     except RuntimeError as e:  # the weights loaded: the model built is another one
         raise OSError(f"{ckpt_dir} holds weights that do not fit the {type(model).__name__} "
-                      f"that {builder} builds now ({utils.first_line(e)}). The checkpoint is not "
-                      "damaged: put back the create_model that trained it.") from e
+                      f"that {builder} builds now ({misfit(model.state_dict(), state)}). The "
+                      "checkpoint is not damaged: " + (
+                          "put back the create_model that trained it." if "create_model" in
+                          builder else "a run started with --init-from is rebuilt as its "
+                          "source's model, and this one was changed after that (adapters?): "
+                          "pass --script with a script whose create_model builds it.")) from e
     return model, config, ckpt_dir
+
+
+def misfit(expected, state):
+    """What keeps ``state`` from loading into a model whose own state is ``expected``."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    shapes = [k for k in sorted(set(state) & set(expected))
+              if tuple(state[k].shape) != tuple(expected[k].shape)]
+    return "; ".join(f"{len(keys)} {what} (e.g. {', '.join(keys[:3])})" for what, keys in (
+        ("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)) if keys)
 
 
 def rebuild_model(script, config, ckpt_dir):

@@ -414,3 +414,22 @@ def test_a_hugging_face_directory_that_loads_as_another_model_is_refused(tiny_mo
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(OSError, match=r"makes 1 of its weights at random and drops 1"):
         trained.load_trained(tmp_path)
+
+
+def test_an_init_from_run_whose_weights_do_not_fit_its_source_says_why_and_which(
+        run_dir, tmp_path):
+    """An --init-from run is rebuilt as its source's model: weights of a model changed after
+    loading (adapters) do not fit it, and the paragraph names the keys and the way out, not
+    "put back the create_model" (its create_model never built it)."""
+    result = train(train_args(tmp_path, None, name="sft", max_steps=1, init_from=run_dir))
+    assert result.returncode == 0, result.stderr
+    weights = tmp_path / "sft/checkpoints/step-000001/model.pt"
+    state = torch.load(weights, weights_only=True)
+    name = next(k for k in state if k.endswith("attn.c_attn.weight"))
+    state[name.replace("c_attn.weight", "c_attn.base.weight")] = state.pop(name)
+    torch.save(state, weights)
+    with pytest.raises(OSError) as failed:
+        trained.load_trained(tmp_path / "sft")
+    for words in (f"1 missing (e.g. {name})", "1 unexpected (e.g. " + name.replace(
+            "c_attn.weight", "c_attn.base.weight"), "rebuilt as its source's model", "--script"):
+        assert words in str(failed.value), (words, str(failed.value))
