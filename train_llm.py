@@ -308,12 +308,12 @@ def build_optimizers(model, args):
 
 
 def get_lr(step, args):
-    """The learning rate of the update after ``step`` steps: a linear warmup to --lr, then a
-    cosine down to --min-lr at --max-steps. A pure function of the step, so raising
-    --max-steps on resume stretches the rest of the cosine."""
+    """The learning rate of the update after ``step`` steps: a linear warmup to --lr, a cosine
+    down to --min-lr at --decay-steps (utils.open_run keeps the run's first --max-steps unless
+    it is given), then --min-lr: a run trained on past it goes on at --min-lr, never back up."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))  # 1 -> 0
     return args.min_lr + (args.lr - args.min_lr) * cosine
 
@@ -662,6 +662,7 @@ def get_parser():
     add("--lr", type=finite(0, above=True), default=4e-3, help="peak learning rate")
     add("--warmup-steps", type=at_least(0), default=60, help="steps of linear warmup")
     add("--min-lr", type=finite(0), default=3e-4, help="learning rate at the end of the cosine")
+    add("--decay-steps", type=at_least(1), help="cosine's end (default: first --max-steps)")
 
     add = parser.add_argument_group("logging, validation and checkpoints").add_argument
     add("--log-freq", type=at_least(1), default=10, help="log speed and MFU every N steps")

@@ -31,7 +31,7 @@ def small_model():
 
 
 def optimizers_and_schedules(model, optimizer):
-    args = train_llm.parse_args(["-e", "x", "--optimizer", optimizer])
+    args = train_llm.parse_args(["-e", "x", "--optimizer", optimizer, "--decay-steps", "600"])
     optimizers = train_llm.build_optimizers(model, args)
     schedules = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: train_llm.get_lr(s, args) / args.lr) for o in optimizers]

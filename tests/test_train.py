@@ -316,3 +316,20 @@ def test_a_killed_run_leaves_no_process_and_no_shared_memory(tmp_path, tiny_mode
         assert time.monotonic() < deadline, "the data process outlived the trainer"
         time.sleep(0.01)
     assert leftovers() <= before
+
+
+def test_raising_max_steps_trains_on_at_min_lr_never_back_up(tiny_model, tmp_path):
+    """The cosine keeps the length the run started with: a finished 10-step run trained on to
+    15 runs steps 11-15 at --min-lr (the start line says so), where stretching the cosine would
+    raise the learning rate again; --decay-steps sets the length on purpose."""
+    flags = dict(max_steps=10, warmup_steps=2, lr=1e-2, min_lr=1e-3, ckpt_freq=5, log_freq=1)
+    assert train(train_args(tmp_path, tiny_model, **flags)).returncode == 0
+    result = train(train_args(tmp_path, tiny_model, **{**flags, "max_steps": 15}))
+    assert result.returncode == 0, result.stderr
+    assert "cosine to --min-lr 0.001 at step 10, then --min-lr to step 15" in result.stderr
+    lrs = [row["lr"] for row in metrics(tmp_path / "run")]
+    assert len(lrs) == 15 and lrs[10:] == [pytest.approx(1e-3)] * 5
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))  # down, never up again
+    longer = train(train_args(tmp_path, tiny_model, name="longer", decay_steps=15, **flags))
+    assert longer.returncode == 0 and "cosine to --min-lr 0.001 at step 15" in longer.stderr
+    assert metrics(tmp_path / "longer")[9]["lr"] > 1.5e-3
