@@ -5,6 +5,7 @@ copy trains and resumes exactly, and the kit's generate.py and export_hf.py, and
 rebuild the model of the copy's create_model, from the script the run recorded."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -198,10 +199,9 @@ def test_the_kits_scripts_work_with_the_copys_own_modules(tiny_model, tmp_path):
     result = kit_script("generate", [tmp_path / "run", "--prompt", "def"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "def (the project's own trained.py)"
-    trained_py.write_text(trained_py.read_text().replace(
-        'def load_trained(path, script=None):',
-        'def load_trained(path, script=None):'
-        "\n    raise OSError('the project load_trained')", 1))
+    trained_py.write_text(re.sub(r"(def load_trained\(.*\):\n)",
+                                 r"\1    raise OSError('the project load_trained')\n",
+                                 trained_py.read_text(), count=1))
     refused(kit_script("export_hf", [tmp_path / "run", "--out", tmp_path / "out"]),
             "the project load_trained")
 
