@@ -253,7 +253,7 @@ def build_model(args, device):
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.to(device)
-    LOGGER.info(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    LOGGER.info(utils.parameter_count(model))  # "1.92M parameters", and how many are trained
     return tokenizer, model
 
 

@@ -1097,6 +1097,15 @@ def unwrap(model):
         else model
 
 
+def parameter_count(model):
+    """The start line's count: every parameter (all experts of a mixture, frozen weights), and
+    the trained ones where some are frozen (adapters)."""
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{total / 1e6:.2f}M parameters" + (
+        f", {trained / 1e6:.2f}M of them trained" if trained != total else "")
+
+
 def check_model(model, tokenizer, args):
     """What the tokenizer, --seq-length and the flags need of the model, checked before any
     training; a model of your own (create_model) is told what needs transformers."""

@@ -269,6 +269,7 @@ def test_a_lora_model_exports_merged_or_is_refused_never_exported_wrong(tiny_mod
     result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=4,
                                                          lr=0.05))
     assert result.returncode == 0, result.stderr
+    assert "M of them trained" in result.stderr  # (the frozen base weights are counted apart)
     run = tmp_path / "run"
     result = kit_script("export_hf", [run, "--out", tmp_path / "merged"])
     assert result.returncode == 0, result.stderr
