@@ -300,6 +300,25 @@ def test_plot_metrics_of_a_run_without_steps_is_one_paragraph(tmp_path):
     refused(plot(tmp_path), f"{tmp_path / 'metrics.jsonl'} holds no step yet")
 
 
+def test_plot_metrics_draws_several_runs_on_the_same_axes(tmp_path):
+    """Runs to compare (two optimizers, two seeds): one image, each run's curves labeled with
+    its name; several runs need --out."""
+    for name, loss in (("adamw", 5.0), ("muon", 4.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": loss - s / 10, "tokens_per_s": 1000.0,
+                        **({"val_loss": loss} if s % 5 == 0 else {})}) + "\n"
+            for s in range(1, 11)))
+    result = subprocess.run([sys.executable, "scripts/plot_metrics.py", tmp_path / "adamw",
+                             tmp_path / "muon", "--out", tmp_path / "both.png"], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "both.png").stat().st_size > 0
+    refused(subprocess.run([sys.executable, "scripts/plot_metrics.py", tmp_path / "adamw",
+                            tmp_path / "muon"], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=60), "several runs: pass --out")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("given, words", [
     ("/nope.py", ["--script /nope.py: no such file"]),
