@@ -435,6 +435,7 @@ def test_a_hugging_face_directory_that_loads_as_another_model_is_refused(tiny_mo
         trained.load_trained(tmp_path)
 
 
+@pytest.mark.slow
 def test_an_init_from_run_whose_weights_do_not_fit_its_source_says_why_and_which(
         run_dir, tmp_path):
     """An --init-from run is rebuilt as its source's model: weights of a model changed after

@@ -152,6 +152,7 @@ def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_p
     assert asked == ["someone/model"]
 
 
+@pytest.mark.slow
 def test_the_export_hint_of_a_run_in_a_path_with_spaces_is_a_command_that_works(tmp_path,
                                                                                 tiny_model):
     save_dir = tmp_path / "my runs"

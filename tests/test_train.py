@@ -318,6 +318,7 @@ def test_a_killed_run_leaves_no_process_and_no_shared_memory(tmp_path, tiny_mode
     assert leftovers() <= before
 
 
+@pytest.mark.slow
 def test_raising_max_steps_trains_on_at_min_lr_never_back_up(tiny_model, tmp_path):
     """The cosine keeps the length the run started with: a finished 10-step run trained on to
     15 runs steps 11-15 at --min-lr (the start line says so), where stretching the cosine would
