@@ -193,7 +193,7 @@ def expand_urls(urls):
                 found = sorted(glob.glob(url))
             else:
                 found = [url]
-            if not found or not local and re.search(r"[*\[]", url.split("?")[0]):
+            if not found or not local and re.search(r"[*\[]", url.split("?")[0].split("/", 3)[-1]):
                 raise FileNotFoundError(f"no files match {url!r}" + ("" if local else (
                     ": remote paths are not globbed; name shards with {a,b} or {000..127}")))
             if odd := [p for p in found if "://" not in p and os.path.exists(p)
@@ -304,8 +304,8 @@ class Shards:
     def open(self, url, at=0):
         """The shard for bytes, from byte ``at``: one request there on S3 and HTTP, not one
         from byte 0 and another after a seek (which would also throw away a socket buffer)."""
-        params, http = {**_one_owner(url), **(self.transport_params or {})}, url.startswith(
-            ("http://", "https://"))
+        params = _merged(_one_owner(url), self.transport_params or {})
+        http = url.startswith(("http://", "https://"))
         if http and at:  # (positions then count from ``at``: such a shard is only read on)
             params["headers"] = {"Accept-Encoding": "identity", **params.get("headers", {}),
                                  "Range": f"bytes={at}-"}
@@ -992,8 +992,7 @@ def _lines_before(slot, open_shard, required_fields):
 
 # -- Retries: a transient network fault is retried, anything else fails at once ----------------
 
-# Seconds to connect to an HTTP server, and to wait for each read from it (requests has no
-# timeout of its own; the cloud SDKs have theirs): a silent server is then a retried fault.
+# Seconds to connect, and to wait for each read, on every source (_one_owner): a fault then.
 HTTP_TIMEOUT = (10, 60)
 # Seconds that faults in a row are retried at most, whatever fills them (backoff, reads that
 # time out): a silent server fails in about this time, not in retries x the read timeout.
@@ -1002,9 +1001,9 @@ RETRY_TIME = 240
 
 
 def _one_owner(url):
-    """smart_open's transport_params that leave _Retry the one owner of retries: a request
-    times out after HTTP_TIMEOUT and the SDK does not retry it (nested retries held a run on a
-    silent S3 server for hours). S3 also sends no GET until the first read: one request, there."""
+    """smart_open's transport_params that leave the retries to _Retry: a request times out
+    (HTTP_TIMEOUT) and boto3 or google-cloud-storage retry none (nested, they held a run for
+    hours; DESIGN.md section 10). S3 sends no GET until the first read: one request, there."""
     if url.startswith("s3://"):
         import botocore.config
         config = botocore.config.Config(connect_timeout=HTTP_TIMEOUT[0], retries={
@@ -1014,6 +1013,12 @@ def _one_owner(url):
     if url.startswith("gs://"):
         return {"get_blob_kwargs": once, "blob_open_kwargs": once}
     return {"timeout": HTTP_TIMEOUT} if url.startswith(("http://", "https://")) else {}
+
+
+def _merged(mine, theirs):
+    """``theirs`` over ``mine``, dict by dict: a user's S3.Client arguments keep the kit's."""
+    return {**mine, **theirs, **{k: _merged(v, theirs[k]) for k, v in mine.items()
+                                 if isinstance(v, dict) and isinstance(theirs.get(k), dict)}}
 
 
 # Network faults worth retrying, matched by class name so that data.py need not import every
@@ -1816,9 +1821,7 @@ class Prefetch(Stage):
     (``skipped``); the child keeps the state after each until asked (state_dict). ``follow``:
     the OnlineMixer that learns here (learn_late): every ``every`` items the child takes its
     state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close().
-    ``until``: an Event; once it is set, a next() whose item is a second late gives back the
-    items of the step begun (``every`` a step), the child drops its read, and next() raises
-    StopIteration with ``interrupted`` True: state_dict() is then the last whole step's."""
+    ``until`` (an Event) ends a wait for an item that hangs (``interrupted``: DESIGN.md 6)."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
@@ -1952,17 +1955,18 @@ def _serve(conn, src, depth, every, parent):
                     conn.send(("state", states[arg]))
                 continue
             try:
-                reading[0] = True
-                if len(reading) > 1:
-                    raise KeyboardInterrupt
-                item, error = next(src), None
+                try:  # (reading ends before any handler below runs: a late SIGUSR1 lands here)
+                    reading[0] = True
+                    if len(reading) > 1:
+                        raise KeyboardInterrupt
+                    item, error = next(src), None
+                finally:
+                    reading[0] = False
             except KeyboardInterrupt:  # (the pipeline is broken now: its states are left)
                 ended = True
                 continue
             except Exception as e:  # (StopIteration too) crosses with the child's traceback
                 item, error, ended = None, _portable(e), True
-            finally:
-                reading[0] = False
             if not ended:
                 states[made] = src.state_dict()
                 states.pop(made - depth - 2, None)

@@ -55,7 +55,7 @@ def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"
         config = json.loads(record.read_text()) if record.exists() else None
         model, info = utils.pretrained(AutoModelForCausalLM, str(path), what,
                                        dtype=torch.float32, output_loading_info=True)
-        if info["missing_keys"] or info["unexpected_keys"]:  # (it would run, as another model)
+        if info["missing_keys"]:  # (it would run, as another model)
             raise OSError(f"{what} {path}: transformers makes {len(info['missing_keys'])} of its "
                           f"weights at random and drops {len(info['unexpected_keys'])} (e.g. "
                           f"{sorted({*info['missing_keys'], *info['unexpected_keys']})[:3]}): it "

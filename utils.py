@@ -576,11 +576,13 @@ class MetricsLog:
 
 def stop_on_signals(loader):
     """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
-    step in flight finishes, a checkpoint is saved, and the process exits 0; a loader stuck on
-    a read gives up its step (data.Prefetch's until). A second signal kills at once, which is
-    safe too: the last complete checkpoint stays loadable. (torchrun forwards SIGTERM to every
-    rank; the ranks agree on stopping at the same step.)"""
-    stop = loader.until = threading.Event()
+    step in flight finishes, a checkpoint is saved, and the process exits 0; alone, a loader
+    stuck on a read gives up its step (data.Prefetch's until). A second signal kills at once,
+    which is safe too: the last complete checkpoint stays loadable. (torchrun forwards SIGTERM
+    to every rank; the ranks agree on stopping at the same step, so none gives up alone.)"""
+    stop = threading.Event()
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        loader.until = stop
 
     def request_stop(signum, frame):
         if RUN is not None and not RUN.stepped:
@@ -619,9 +621,6 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
     must hold something to train on: no data at all, or only special tokens, is refused.
     """
     if getattr(loader, "interrupted", False):  # a signal while a read hung: no step to take
-        if ctx.world_size > 1:  # (other ranks may be in this step's all-reduce: no save with them)
-            sys.exit("Stopped by the signal while the data loader waited on a read, without a "
-                     "checkpoint (the ranks cannot agree on one): rerun to resume from the last.")
         LOGGER.warning(f"The signal came while the data loader waited on a read: saving step "
                        f"{step - 1}, the last one taken")
         return False
@@ -709,7 +708,7 @@ def expected_failure(error):
     """The paragraph that ends a run on a failure the user can mend, or None for a bug (which
     keeps its traceback): bad data, a missing or unreadable file, a full disk, no memory."""
     before = RUN is None or not RUN.training
-    if before and (RUN is None or RUN.created):
+    if before and (RUN is None or RUN.dir in RUN.created):
         stopped = "Stopped before training began; nothing was kept"
     elif RUN.dir.is_dir() and _step_dirs(RUN.dir, complete=True):
         stopped = "Stopped; the last checkpoint is untouched"

@@ -373,6 +373,7 @@ def test_a_glob_in_a_remote_url_is_refused_at_once_with_the_way_out(url):
     with pytest.raises(FileNotFoundError, match=r"not globbed; name shards with \{a,b\}"):
         Files(url)
     assert time.monotonic() - began < 5  # (no request, so no retries)
+    assert data.expand_urls("http://[::1]:8000/a.jsonl") == ["http://[::1]:8000/a.jsonl"]
 
 
 def main_thread_waits(pid):
@@ -455,7 +456,9 @@ def test_an_s3_server_that_stops_answering_mid_read_fails_it_in_the_retry_time(
                                                 for i in range(30_000)]))
     monkeypatch.setattr(data, "HTTP_TIMEOUT", (1, 1))
     monkeypatch.setattr(data, "RETRY_TIME", 3)
-    files = Files(url, n_active_shards=1, retry_delay=0.1)
+    # (with a user's own S3.Client arguments, which must not drop the kit's timeouts)
+    files = Files(url, n_active_shards=1, retry_delay=0.1, transport_params={
+        "client_kwargs": {"S3.Client": {"region_name": "us-east-1"}}})
     assert [next(files)["i"] for _ in range(100)] == list(range(100))
     proc.send_signal(signal.SIGSTOP)  # (30 MB: most of the answer is still to come)
     began = time.monotonic()
