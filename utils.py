@@ -328,13 +328,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
                          "trains nothing: nothing was changed. Raise --max-steps to train on "
                          "from it.")
             return None
-    # The schedule's length is the run's own: raising --max-steps later trains on at --min-lr.
-    state["decay_steps"] = args.decay_steps = args.decay_steps or state.get("decay_steps") or \
-        args.max_steps
-    LOGGER.info(f"Learning rate: warmup over {args.warmup_steps} steps to --lr {args.lr:g}, "
-                f"cosine to --min-lr {args.min_lr:g} at step {args.decay_steps}" +
-                (f", then --min-lr to step {args.max_steps}" if args.max_steps >
-                 args.decay_steps else ""))
+    keep_schedule(args, state)
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
     if state.get("run_dir", str(exp_dir.resolve())) != str(exp_dir.resolve()) and \
@@ -344,6 +338,17 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def keep_schedule(args, state):
+    """--decay-steps from the run state (the first start's --max-steps unless given): raising
+    --max-steps later trains on at --min-lr, never up a stretched cosine. The log says which."""
+    state["decay_steps"] = args.decay_steps = args.decay_steps or state.get("decay_steps") or \
+        args.max_steps
+    LOGGER.info(f"Learning rate: warmup over {args.warmup_steps} steps to --lr {args.lr:g}, "
+                f"cosine to --min-lr {args.min_lr:g} at step {args.decay_steps}" +
+                (f", then --min-lr to step {args.max_steps}" if args.max_steps >
+                 args.decay_steps else ""))
 
 
 def fresh_state(args, exp_dir, config):
