@@ -174,7 +174,7 @@ def parse_args(argv=None):
     shipped = DEFAULT_DATA[args.task]  # the shipped sample data of the task
     args.dataset = shipped + "train-*.jsonl" if args.dataset is None else args.dataset
     # A run from another's weights keeps that run's tokenizer, unless told otherwise.
-    args.tokenizer = args.tokenizer or utils.trained_tokenizer(args.init_from) or DEFAULT_TOKENIZER
+    args.tokenizer = args.tokenizer or trained.tokenizer_of(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
     args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task] if args.sample_prompt is None else \
@@ -248,7 +248,7 @@ def build_model(args, device):
                                  use_cache=False, dtype=torch.float32)
     else:
         model = create_model(args)
-    utils.check_model(model, tokenizer, args)  # the tokenizer, --seq-length, the flags
+    utils.check_model(model, tokenizer, args, trained.tokenizer_of(args.init_from))
     utils.skip_mask_checks(model)  # transformers' checks of each batch: each waits for the GPU
     if args.activation_checkpointing:  # keep each block's input only; recompute the rest
         model.activation_checkpointing_enable({"use_reentrant": False})

@@ -6,6 +6,7 @@ it (rebuild_model); generate samples from it, its prompt laid out as it was trai
 
 import errno
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -32,6 +33,41 @@ def checkpoint_weights(ckpt_dir, name="model"):
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(ckpt_dir / "dcp", Path(tmp) / "full.pt")
         return utils.load(Path(tmp) / "full.pt", "cpu")[name]
+
+
+def tokenizer_of(path):
+    """The tokenizer that a run, checkpoint or Hugging Face directory was trained with (a path
+    or Hub name), or None where ``path`` is none of those (load_trained then says why)."""
+    if not path:
+        return None
+    if utils.only_a_path(path):  # (load_trained says that it is missing)
+        return None
+    if not Path(path).exists() or (Path(path) / "config.json").exists():
+        return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
+    try:
+        return read_checkpoint(path, lambda ckpt: json.loads((ckpt / "state.json").read_text()))[
+            "config"]["tokenizer"]
+    except (OSError, ValueError, KeyError, SystemExit):
+        return None
+
+
+def read_checkpoint(path, read):
+    """``read(the checkpoint that path means)`` (find_checkpoint). A run that keeps only its
+    newest checkpoints may delete that one while it is read (not a damaged checkpoint): then
+    its newer one is read; one named by its own path is gone, which is said."""
+    for tries in itertools.count(1):
+        ckpt_dir = utils.find_checkpoint(path)
+        try:
+            return read(ckpt_dir)
+        except OSError as e:
+            if ckpt_dir.exists():  # damaged, or not the model of that script: said as it is
+                raise
+            if ckpt_dir != Path(path) and tries < 10:  # its newer one has replaced it
+                continue
+            raise FileNotFoundError(
+                f"{ckpt_dir} was deleted while it was read: its run went on and deleted it "
+                "(--keep-checkpoints). Pass the run directory, whose newest checkpoint is "
+                "read, or raise --keep-checkpoints.") from e
 
 
 # An export's own file (scripts/export_hf.py writes it): the run's config and the checkpoint
@@ -62,7 +98,7 @@ def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"
                           "is not the model it was saved from")
         return (model, utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"),
                 config, path)
-    model, config, ckpt_dir = utils.read_checkpoint(path, lambda ckpt: from_checkpoint(
+    model, config, ckpt_dir = read_checkpoint(path, lambda ckpt: from_checkpoint(
         ckpt, script))
     tokenizer = utils.pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
     return model, tokenizer, config, ckpt_dir

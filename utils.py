@@ -37,6 +37,7 @@ import resource
 import shlex
 import shutil
 import signal
+import struct
 import sys
 import threading
 import time
@@ -502,6 +503,48 @@ def start_wandb(flags, run_id, exp_dir):
                       "upload the run later with `wandb sync`.") from e
 
 
+def wandb_holds(run, exp_dir):
+    """The last step that the wandb run ``run`` holds as this start begins: online, the
+    server says; offline, its earlier segments here (`wandb sync` uploads them as one run),
+    each read as far as a killed wandb wrote it."""
+    if not run.offline:
+        return max(run.starting_step - 1, 0)
+    from wandb.proto.wandb_internal_pb2 import Record
+    segments = [s / f"run-{run.id}.wandb" for s in (exp_dir / "wandb").glob(
+        f"offline-run-*-{run.id}") if s != Path(run.dir).parent]
+    return max((r.history.step.num for path in segments for r in wandb_records(path, Record)
+                if r.HasField("history")), default=0)
+
+
+def wandb_records(path, record):
+    """The records of a wandb transaction log: LevelDB's log format, 32 KiB blocks of chunks
+    with a 7-byte header each, after the file's own 7 bytes; up to the first torn chunk."""
+    data = path.read_bytes() if path.exists() else b""
+    at, part = 7, b""
+    while at + 7 <= len(data):
+        if 32768 - at % 32768 < 7:  # a block's tail too short for a header is padding
+            at += 32768 - at % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[at + 4:at + 7])
+        if kind == 0 or at + 7 + length > len(data):  # zeros, or cut off by a kill
+            return
+        part, at = part + data[at + 7:at + 7 + length], at + 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last chunk
+            yield record.FromString(part)
+            part = b""
+
+
+def metric_lines(path):
+    """metrics.jsonl's lines, each with its step's record (None: a note a user added)."""
+    lines = path.read_text(errors="replace").split("\n") if path and path.exists() else [""]
+    for line in lines[:-1]:  # (the last: "" after the last newline, or a kill's torn line)
+        record = None
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+        yield line, record if isinstance(record, dict) and isinstance(
+            record.get("step"), int) else None
+
+
 class MetricsLog:
     """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, the
     progress bar, and a log line when there is more than the loss to say. Remove wandb here
@@ -510,16 +553,23 @@ class MetricsLog:
     def __init__(self, exp_dir, args, state, rank):
         # Opened at the first line, once begin_training has set an old file aside.
         self.path, self.file = exp_dir / "metrics.jsonl" if rank == 0 else None, None
-        self.wandb, self.unsent, self.lines, self.last = None, [], [], None
+        self.wandb, self.unsent, self.lines, self.last, self.held = None, [], [], None, 0
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
+            if args.resume_from and state["wandb_run_id"]:  # wandb keeps what it holds past it
+                LOGGER.info("--resume-from: a wandb run of its own, that metrics.jsonl fills")
+                state["wandb_run_id"] = None
             # The run id is kept in state.json, so a resumed run continues the same curve.
             try:
-                state["wandb_run_id"] = start_wandb(vars(args), state["wandb_run_id"],
-                                                    exp_dir).id
+                run = start_wandb(vars(args), state["wandb_run_id"], exp_dir)
             except OSError as e:
                 sys.exit(f"{e} Nothing was changed.")
+            state["wandb_run_id"], self.held = run.id, wandb_holds(run, exp_dir)
+            # Every step once: what wandb lost of a killed start is sent again from
+            # metrics.jsonl; what it holds past the checkpoint is not sent twice (send).
+            self.unsent = [r for _, r in metric_lines(self.path)
+                           if r and self.held < r["step"] <= state["global_step"]]
         atexit.register(self.flush)  # a run that dies (diverged, bad data) writes the rest
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0, mininterval=0.5)
@@ -556,8 +606,9 @@ class MetricsLog:
         wandb's own thread, which a busy CPU wakes late (a step's 3% on 2 cores). No None (MFU
         on a CPU): wandb would import pandas to look at it, 70 MB of memory."""
         for metrics in self.unsent if self.wandb else ():
-            self.wandb.log({k: v for k, v in metrics.items() if v is not None},
-                           step=metrics["step"])
+            if metrics["step"] > self.held:
+                self.wandb.log({k: v for k, v in metrics.items() if v is not None},
+                               step=metrics["step"])
         self.unsent = []
 
     def rewrite_last(self, more):
@@ -1110,14 +1161,14 @@ def parameter_count(model):
         f", {trained / 1e6:.2f}M of them trained" if trained != total else "")
 
 
-def check_model(model, tokenizer, args):
+def check_model(model, tokenizer, args, trained=None):
     """What the tokenizer, --seq-length and the flags need of the model, checked before any
-    training; a model of your own (create_model) is told what needs transformers."""
+    training (``trained``: the tokenizer --init-from's run was trained with); a model of your
+    own (create_model) is told what needs transformers."""
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False  # training never reads a KV cache: none is built
     vocab = getattr(config, "vocab_size", None)
-    trained = trained_tokenizer(args.init_from) if args.init_from else None
     if trained and trained != args.tokenizer and tokenizer.get_vocab() != pretrained(
             type(tokenizer), trained, "the tokenizer of --init-from").get_vocab():
         sys.exit(f"--tokenizer {args.tokenizer} is not the tokenizer that --init-from "
@@ -1198,41 +1249,6 @@ def find_checkpoint(path):
     if state is None:
         raise OSError(f"{path} is neither a run directory with a checkpoint nor a checkpoint")
     return path / state["checkpoint"]
-
-
-def trained_tokenizer(path):
-    """The tokenizer that a run, checkpoint or Hugging Face directory was trained with (a path
-    or Hub name), or None where ``path`` is none of those (load_trained then says why)."""
-    if not path:
-        return None
-    if only_a_path(path):  # (load_trained says that it is missing)
-        return None
-    if not Path(path).exists() or (Path(path) / "config.json").exists():
-        return str(path)  # a Hugging Face layout (or Hub name) holds its tokenizer
-    try:
-        return read_checkpoint(path, lambda ckpt: json.loads((ckpt / "state.json").read_text()))[
-            "config"]["tokenizer"]
-    except (OSError, ValueError, KeyError, SystemExit):
-        return None
-
-
-def read_checkpoint(path, read):
-    """``read(the checkpoint that path means)`` (find_checkpoint). A run that keeps only its
-    newest checkpoints may delete that one while it is read (not a damaged checkpoint): then
-    its newer one is read; one named by its own path is gone, which is said."""
-    for tries in itertools.count(1):
-        ckpt_dir = find_checkpoint(path)
-        try:
-            return read(ckpt_dir)
-        except OSError as e:
-            if ckpt_dir.exists():  # damaged, or not the model of that script: said as it is
-                raise
-            if ckpt_dir != Path(path) and tries < 10:  # its newer one has replaced it
-                continue
-            raise FileNotFoundError(
-                f"{ckpt_dir} was deleted while it was read: its run went on and deleted it "
-                "(--keep-checkpoints). Pass the run directory, whose newest checkpoint is "
-                "read, or raise --keep-checkpoints.") from e
 
 
 def damaged(ckpt_dir, path, error, resume=False):
@@ -1756,15 +1772,6 @@ def discard_after(exp_dir, step, run_id=None):
                    *(exp_dir / "checkpoints").glob("*.deleted")]:
         shutil.rmtree(debris, ignore_errors=True)  # (a deletion may still be under way)
     metrics = exp_dir / "metrics.jsonl"
-    if metrics.exists():
-        lines = metrics.read_text(errors="replace").split("\n")
-        lines.pop()  # "" after the last newline, or the torn line of a killed write
-        kept = []
-        for line in lines:  # (a line that is no step's record, a note a user added, stays)
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and isinstance(record.get("step"), int) and \
-                        record["step"] > step:
-                    continue
-            kept.append(line + "\n")
-        write_atomic(metrics, "".join(kept))
+    if metrics.exists():  # (a note a user added stays)
+        write_atomic(metrics, "".join(line + "\n" for line, record in metric_lines(metrics)
+                                      if record is None or record["step"] <= step))

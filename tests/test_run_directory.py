@@ -15,10 +15,12 @@ from helpers import (
     ROOT,
     copy_run,
     global_step,
+    kill_at,
     metrics,
     refused,
     script,
     snapshot,
+    start,
     train,
     train_args,
 )
@@ -253,3 +255,37 @@ def test_a_refused_start_in_a_users_directory_leaves_it_as_it_was(tmp_path, tiny
     refused(result, "unreadable", "Nothing was changed")
     assert snapshot(mine) == before
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "state.json"]
+
+
+def wandb_history(exp_dir, run_id):
+    """(step, loss) of every history record of a wandb offline run, all its segments (what
+    `wandb sync` uploads), read back from their transaction logs."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    return sorted((r.history.step.num, json.loads(next(
+        i.value_json for i in r.history.item if (i.key or "/".join(i.nested_key)) == "loss")))
+        for path in (exp_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+        for r in utils.wandb_records(path, Record) if r.HasField("history"))
+
+
+@pytest.mark.slow
+def test_a_killed_resumed_and_rewound_run_holds_every_step_once_in_wandb(tiny_model, tmp_path):
+    """wandb's curve equals metrics.jsonl, step by step, after a kill that cost wandb what it
+    had not written (sent again), after a kill that left it steps past the checkpoint (not
+    sent twice), and after a --resume-from (a wandb run of its own: wandb cannot take back
+    what it holds)."""
+    exp = tmp_path / "w"
+    args = train_args(tmp_path, tiny_model, name="w", wandb="offline", log_freq=1,
+                      max_steps=20, ckpt_freq=10, val_freq=10, sample_tokens=0)
+    proc = start(args, tmp_path / "log")
+    kill_at(proc, exp, 14)  # (wandb writes 32 KiB at a time: this run's steps are not yet)
+    for rerun in ("kill", "wrote past the checkpoint", "--resume-from"):
+        if rerun == "wrote past the checkpoint":  # killed after step 20's log, before its save
+            shutil.rmtree(exp / "checkpoints/step-000020")
+            shutil.copy(exp / "checkpoints/step-000010/state.json", exp / "state.json")
+        result = train(args + (["--resume-from", "step-000010"] if rerun == "--resume-from"
+                               else []))
+        assert result.returncode == 0, result.stderr
+        run_id = json.loads((exp / "state.json").read_text())["wandb_run_id"]
+        assert wandb_history(exp, run_id) == [(m["step"], m["loss"]) for m in metrics(exp)], \
+            rerun
+    assert "--resume-from: a wandb run of its own" in result.stderr
