@@ -43,17 +43,7 @@ LOGGER = utils.LOGGER
 KIT = Path(__file__).resolve().parent
 DEFAULT_DATA = {"pretrain": f"{KIT}/data/sample/*/", "sft": f"{KIT}/data/sft/"}
 DEFAULT_TOKENIZER = f"{KIT}/assets/tokenizer"
-DEFAULT_SAMPLE_PROMPT = {"pretrain": "The", "sft": "What does the function os.path.join do?"}
 
-# The flags that decide what the next step computes (data, model, update rule): resuming with
-# one changed is refused (a restored optimizer would silently ignore a new --lr), as is another
-# global batch. A flag added here must default to what the kit did before it (a run saved
-# without its key counts as having had the default).
-FINGERPRINT = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from_pretrained",
-               "init_from", "seed", "seq_length", "lr", "min_lr", "warmup_steps",
-               "weight_decay", "active_shards", "shuffle_buffer", "epochs", "fsdp", "task",
-               "mix", "odm", "odm_warmup_steps", "odm_alpha", "data_format", "grad_clip",
-               "optimizer", "label_smoothing")
 # The flags that may name local files: recorded as absolute paths (a run resumes from anywhere).
 LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
@@ -63,7 +53,7 @@ def main():
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1.
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # The run directory (locked, checked against its flags, where to resume); None: it is done.
-    run = utils.open_run(args, get_parser(), FINGERPRINT, rank, world_size, script=__file__)
+    run = utils.open_run(args, get_parser(), rank, world_size, script=__file__)
     if run is None:
         return
     state = run.state
@@ -177,9 +167,7 @@ def parse_args(argv=None):
     args.tokenizer = args.tokenizer or trained.tokenizer_of(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
-    args.sample_prompt = DEFAULT_SAMPLE_PROMPT[args.task] if args.sample_prompt is None else \
-        args.sample_prompt
-    utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT, create_model=create_model)
+    utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT)
     return args
 
 
@@ -453,14 +441,18 @@ def train_step(model, batches, ctx, losses, n_domains=0):
         # Gradients are averaged across ranks once per step, in the last backward.
         with utils.gradient_sync(model, enabled=i == len(batches) - 1):
             with ctx.autocast():
-                logits, targets = forward(model, batch, ctx.device)
+                logits, targets, aux = forward(model, batch, ctx.device)
                 sums, counts = losses(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
             # The logits ([batch, seq, vocab], the largest activation) are needed only by the
             # loss's backward, which runs first: without our reference they go right after.
             del logits
-            loss.backward()
+            # The model's own loss term: its mean over the micro-batches and ranks, logged apart.
+            (loss if aux is None else loss + aux / len(batches)).backward()
         stats["loss"] += loss.detach() / ctx.world_size
+        if aux is not None:
+            stats["aux_loss"] = aux.detach() / len(batches) / ctx.world_size + stats.get(
+                "aux_loss", 0)
         if n_domains:
             index = batch["domain"].to(ctx.device, non_blocking=True)  # a copy, no wait
             for key, value in (("loss", sums.detach()), ("tokens", counts),
@@ -503,18 +495,21 @@ def next_token_targets(targets):
 
 
 def forward(model, batch, device):
-    """The logits of a batch and the token ids they are scored against: every token, or with
-    --task sft the ``labels`` (prompt and padding -100). Packed samples bring ``position_ids``
-    that restart at each and attend within themselves (no KV cache: use_cache=False)."""
+    """The logits of a batch, the token ids they are scored against (every token, or with
+    --task sft the ``labels``: prompt and padding -100), and the model's own loss term or None
+    (``aux_loss``, times the config's router_aux_loss_coef as transformers weighs it). Packed
+    samples bring ``position_ids`` that restart at each and attend within themselves."""
     # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     positions = batch.get("position_ids")
     mask = utils.packed_mask(model, positions, device)  # (see utils.skip_mask_checks)
     positions = positions.to(device, non_blocking=True) if positions is not None else None
-    logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                   use_cache=False).logits
-    return logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
-                    else input_ids)
+    output = model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                   use_cache=False)
+    aux = getattr(output, "aux_loss", None)
+    weight = getattr(getattr(utils.unwrap(model), "config", None), "router_aux_loss_coef", 1)
+    return output.logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
+                           else input_ids), None if aux is None else aux * weight
 
 
 def sequence_losses(logits, targets, label_smoothing=0.0):
@@ -534,8 +529,8 @@ def log_steps(steps, log, domains, state, args):
     """Each step read (StepNumbers.ready, numbers summed over ranks) as its metrics line: loss,
     gradient norm, records skipped (log steps), each domain's loss and tokens; any signal?"""
     for numbers, metrics in steps:
-        metrics = {"step": metrics["step"], "loss": numbers["loss"],
-                   "grad_norm": numbers["grad_norm"]} | metrics
+        metrics = {"step": metrics["step"], **{k: numbers[k] for k in (
+            "loss", "aux_loss", "grad_norm") if k in numbers}} | metrics
         if "skipped" in numbers:
             metrics["data/skipped"] = int(numbers["skipped"])
         losses = [total / n if n else None for total, n in
@@ -578,7 +573,7 @@ def evaluate(model, batches, ctx, n_domains=0, stop=None):
             return None, None
         batch = batches[i % len(batches)]
         with ctx.autocast():
-            sums, counts = sequence_losses(*forward(model, batch, ctx.device))
+            sums, counts = sequence_losses(*forward(model, batch, ctx.device)[:2])
         if i < len(batches):
             total[:, 0] += torch.stack([sums.sum(), counts.sum().float()])
             if n_domains:
@@ -597,16 +592,19 @@ def evaluate(model, batches, ctx, n_domains=0, stop=None):
 def get_parser():
     parser = utils.ArgumentParser(description=__doc__.split("\n")[0])  # argparse's
     at_least, finite = utils.at_least, utils.finite  # argparse types that check a flag
+    # fixed(...): a flag that shapes what a step computes (data, model, update rule), in the
+    # run's fingerprint: a resume with another value is refused. Its default must do what the
+    # script did without it (a run saved before it counts as having had it). add(...): the rest.
 
-    add = parser.add_argument_group("run").add_argument
+    add, fixed = parser.group("run")
     add("-e", "--experiment-name", required=True, help="run name; outputs go to SAVE_DIR/NAME")
     add("--save-dir", default="outputs", help="where experiment directories are created")
-    add("--task", choices=["pretrain", "sft"], default="pretrain",
+    fixed("--task", choices=["pretrain", "sft"], default="pretrain",
         help="pretrain: next-token loss on all text; sft: instruction tuning, answer tokens only")
     add("--resume-from", default=None, metavar="CHECKPOINT",
         help="roll back to this kept checkpoint (e.g. step-000400) instead of the newest one; "
              "the steps logged after it are discarded once it has loaded")
-    add("--seed", type=at_least(0, 2**32 - 1), default=0, help="seed of weights, data, RNGs")
+    fixed("--seed", type=at_least(0, 2**32 - 1), default=0, help="seed of weights, data, RNGs")
     add("--max-steps", type=at_least(1), default=600, help="steps (may be raised on resume)")
     add("--device", default=None, type=utils.torch_device,
         help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
@@ -617,20 +615,20 @@ def get_parser():
     add("--gc-freq", type=at_least(1), default=50, help="run Python's GC every N steps")
     add("--debug", action="store_true", help="show the traceback of an expected failure")
 
-    add = parser.add_argument_group("data").add_argument
-    add("-d", "--dataset", default=None,
+    add, fixed = parser.group("data")
+    fixed("-d", "--dataset", default=None,
         help="training data: JSONL/Parquet/text shards (paths, globs, {a,b} patterns, "
              "directories, URLs), a save_to_disk directory or a Hub name[:split] "
              "(default: the shipped data/sample/*/train-*.jsonl; --task sft: data/sft/)")
-    add("--val-dataset", default=None, help="held-out data, the same forms as --dataset")
-    add("--tokenizer", default=None, help="Hugging Face tokenizer name or path (default: the "
+    fixed("--val-dataset", default=None, help="held-out data, the same forms as --dataset")
+    fixed("--tokenizer", default=None, help="Hugging Face tokenizer name or path (default: the "
         "one --init-from was trained with, else the shipped one)")
-    add("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
-    add("--shuffle-buffer", type=at_least(1), default=1000, help="sequences shuffled (1: off)")
-    add("--active-shards", type=at_least(1), default=8,
+    fixed("-s", "--seq-length", type=at_least(2), default=128, help="tokens per sequence")
+    fixed("--shuffle-buffer", type=at_least(1), default=1000, help="sequences shuffled (1: off)")
+    fixed("--active-shards", type=at_least(1), default=8,
         help="slots: input splits read at a time, round-robin; a multiple of the world size")
-    add("--epochs", type=at_least(1), help="passes over --dataset, then stop (default: endless)")
-    add("--data-format", choices=["jsonl", "parquet", "text", *data.TOKEN_FORMATS], default=None,
+    fixed("--epochs", type=at_least(1), help="passes over --dataset, then stop (default: endless)")
+    fixed("--data-format", choices=["jsonl", "parquet", "text", *data.TOKEN_FORMATS], default=None,
         help="how to read shards whose names do not tell (default: by suffix, or header)")
     add("--tokenizer-threads", type=at_least(1), default=2, help="threads that tokenize")
     add("--skip-bad-records", action="store_true",
@@ -638,12 +636,12 @@ def get_parser():
     add("--max-doc-chars", type=at_least(0), default=100_000,
         help="cut longer documents into pieces (at a blank) before tokenizing (0: never)")
 
-    add = parser.add_argument_group("model and optimizer").add_argument
-    add("-m", "--model-name", default=f"{KIT}/assets/tiny-gpt2",
+    add, fixed = parser.group("model and optimizer")
+    fixed("-m", "--model-name", default=f"{KIT}/assets/tiny-gpt2",
         help="Hugging Face model name or path whose config shapes a fresh model "
              "(default: the shipped tiny GPT-2)")
-    add("--init-from-pretrained", action="store_true", help="start from --model-name's weights")
-    add("--init-from", default=None, metavar="PATH",
+    fixed("--init-from-pretrained", action="store_true", help="start from --model-name's weights")
+    fixed("--init-from", default=None, metavar="PATH",
         help="start from the weights and architecture of a run, a checkpoint or a Hugging "
              "Face directory (pretrain -> --task sft)")
     add("-b", "--batch-size", type=at_least(1), default=8, help="sequences per micro-batch")
@@ -651,20 +649,20 @@ def get_parser():
     add("--global-batch-size", type=at_least(1), default=None, metavar="N",
         help="sequences per step over all ranks: sets --grad-accum from the world size, so a "
              "run restarted on another number of ranks keeps its batch")
-    add("--optimizer", choices=["adamw", "muon"], default="adamw",
+    fixed("--optimizer", choices=["adamw", "muon"], default="adamw",
         help="muon: Muon on the hidden matrices, AdamW on the rest (build_optimizers)")
-    add("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
-    add("--label-smoothing", type=finite(0, high=1), default=0.0, help="of the training loss")
-    add("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
+    fixed("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
+    fixed("--label-smoothing", type=finite(0, high=1), default=0.0, help="of the training loss")
+    fixed("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
         help="clip the gradient norm to this (inf: never)")
 
-    add = parser.add_argument_group("learning-rate schedule (get_lr)").add_argument
-    add("--lr", type=finite(0, above=True), default=4e-3, help="peak learning rate")
-    add("--warmup-steps", type=at_least(0), default=60, help="steps of linear warmup")
-    add("--min-lr", type=finite(0), default=3e-4, help="learning rate at the end of the cosine")
+    add, fixed = parser.group("learning-rate schedule (get_lr)")
+    fixed("--lr", type=finite(0, above=True), default=4e-3, help="peak learning rate")
+    fixed("--warmup-steps", type=at_least(0), default=60, help="steps of linear warmup")
+    fixed("--min-lr", type=finite(0), default=3e-4, help="learning rate at the end of the cosine")
     add("--decay-steps", type=at_least(1), help="cosine's end (default: first --max-steps)")
 
-    add = parser.add_argument_group("logging, validation and checkpoints").add_argument
+    add, fixed = parser.group("logging, validation and checkpoints")
     add("--log-freq", type=at_least(1), default=10, help="log speed and MFU every N steps")
     add("--val-freq", type=at_least(1), default=200, help="validate every N steps")
     add("--val-batches", type=at_least(1), help="batches to validate on (default: 16, or all)")
@@ -680,19 +678,19 @@ def get_parser():
     add("--sample-prompt", help="continued at each validation (default 'The'; sft: a question)")
     add("--sample-tokens", type=at_least(0), default=32, help="tokens of it (0: no sample)")
 
-    add = parser.add_argument_group("distributed (under torchrun)").add_argument
-    add("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")
+    add, fixed = parser.group("distributed (under torchrun)")
+    fixed("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")
     add("--dist-timeout", type=finite(0, above=True), default=120,
         help="seconds a collective may wait for the other ranks after the first step")
 
-    add = parser.add_argument_group("mixing domains").add_argument
-    add("--mix", default=None, metavar="NAME=W,...", type=utils.mix_weights,
+    add, fixed = parser.group("mixing domains")
+    fixed("--mix", default=None, metavar="NAME=W,...", type=utils.mix_weights,
         help="mix the domains of --dataset (the directories its first * stands for) with these "
              "weights (e.g. code=0.4,prose=0.6), or natural: by the bytes of their files")
-    add("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
+    fixed("--odm", choices=["off", "exp3", "smoothed-mean"], default="off",
         help="Online Data Mixing: move the mixture toward domains whose loss stays high")
-    add("--odm-warmup-steps", type=at_least(0), default=50, help="steps before ODM adapts")
-    add("--odm-alpha", type=finite(0, high=1), default=0.9, help="smoothing of ODM's rewards")
+    fixed("--odm-warmup-steps", type=at_least(0), default=50, help="steps before ODM adapts")
+    fixed("--odm-alpha", type=finite(0, high=1), default=0.9, help="smoothing of ODM's rewards")
     return parser
 
 

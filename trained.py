@@ -35,6 +35,18 @@ def checkpoint_weights(ckpt_dir, name="model"):
         return utils.load(Path(tmp) / "full.pt", "cpu")[name]
 
 
+def find_checkpoint(path):
+    """The checkpoint directory that ``path`` means: a checkpoint directory itself, or the one
+    a run directory resumes from (see run_state)."""
+    path = Path(path)
+    if path.name.startswith("step-") and (path / "state.json").exists():
+        return path
+    state, _ = utils.run_state(path)
+    if state is None:
+        raise OSError(f"{path} is neither a run directory with a checkpoint nor a checkpoint")
+    return path / state["checkpoint"]
+
+
 def tokenizer_of(path):
     """The tokenizer that a run, checkpoint or Hugging Face directory was trained with (a path
     or Hub name), or None where ``path`` is none of those (load_trained then says why)."""
@@ -56,7 +68,7 @@ def read_checkpoint(path, read):
     newest checkpoints may delete that one while it is read (not a damaged checkpoint): then
     its newer one is read; one named by its own path is gone, which is said."""
     for tries in itertools.count(1):
-        ckpt_dir = utils.find_checkpoint(path)
+        ckpt_dir = find_checkpoint(path)
         try:
             return read(ckpt_dir)
         except OSError as e:
@@ -182,15 +194,22 @@ def prompt_text(tokenizer, text, prompt_format=None):
     return text
 
 
+# What a run continues at each validation unless --sample-prompt says: a pretrained run's, a
+# fine-tuned one's (an instruction or chat prompt_format).
+SAMPLE_PROMPTS = ("The", "What does the function os.path.join do?")
+
+
 @torch.no_grad()
 def sample(model, tokenizer, args, ctx, prompt_format):
     """A continuation of --sample-prompt at validation, to see the model learn to write: the
     same seed each time, so only the weights change it (generate's RNG is its own: training is
     not disturbed). Eager even under --compile: each new length would compile the model again.
     Under FSDP every forward is a collective: all ranks generate the full length."""
+    text = args.sample_prompt if args.sample_prompt is not None else SAMPLE_PROMPTS[
+        prompt_format is not None]
     model.eval()
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):
-        out = generate(utils.unwrap(model), tokenizer, args.sample_prompt,
+        out = generate(utils.unwrap(model), tokenizer, text,
                        max_new_tokens=args.sample_tokens, seed=args.seed,
                        fixed_length=args.fsdp, prompt_format=prompt_format)
     model.train()

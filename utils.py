@@ -72,7 +72,23 @@ RUN = None  # the Run this process opened: what cli() tells, or cleans up, when 
 # ----------------------------------------------------------------------------------------------
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's, whose refusals also reach torchrun's table of failures (tell_torchrun)."""
+    """argparse's, whose flags are declared in groups (group), those of the run's fingerprint
+    apart; its refusals also reach torchrun's table of failures (tell_torchrun)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fingerprint = []  # the names of the flags declared with fixed (open_run)
+
+    def group(self, title):
+        """A new group's (add, fixed): add_argument, and add_argument for a flag that shapes
+        the run, in its fingerprint: a resume with another value is refused (check_unchanged)."""
+        add = self.add_argument_group(title).add_argument
+
+        def fixed(*flags, **options):
+            action = add(*flags, **options)
+            self.fingerprint.append(action.dest)
+            return action
+        return add, fixed
 
     def error(self, message):
         tell_torchrun(f"{self.prog}: error: {message}")
@@ -165,18 +181,17 @@ def domain_weights(domains, given=None):
 SHIPPED = ("tokenizer", "model_name", "dataset", "val_dataset")
 
 
-def check_args(parser, args, local_paths, shipped, create_model):
+def check_args(parser, args, local_paths, shipped):
     """What no single flag's type can check, before anything is written: the shipped files that
     a copy of the kit lacks (all named in one paragraph), the run directory, flags against
     each other. Local paths of ``local_paths`` become absolute: a run records where its files
-    are, so that it resumes, and generate.py finds its tokenizer, from any directory. A
-    --model-name that ``create_model`` never reads (a model of your own) need not exist."""
-    names = getattr(getattr(create_model, "__code__", None), "co_names", ("model_name",))
-    unread = args.init_from or not args.init_from_pretrained and "model_name" not in names
-    missing = [name for name in SHIPPED if not (name == "model_name" and unread)
+    are, so that it resumes, and generate.py finds its tokenizer, from any directory. A missing
+    --model-name is named only beside others: a model of your own may never read it (one that
+    does is refused where it reads it: pretrained)."""
+    missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
                and _local(getattr(args, name)) is None]
-    if missing:
+    if missing and missing != ["model_name"]:
         flags = ", ".join(f"--{name.replace('_', '-')} ({getattr(args, name)})" for name in missing)
         sys.exit(f"These flags name files next to the script that are not there: {flags}. The "
                  "defaults are the kit's shipped assets/ and data/, which a copy of the script "
@@ -277,10 +292,11 @@ class Run:
         self.training, self.first_step = True, self.state["global_step"]
 
 
-def open_run(args, parser, fingerprint, rank, world_size, script):
+def open_run(args, parser, rank, world_size, script):
     """The Run to train (fresh, or resumed from its checkpoint), or None if it is done: the
-    lock, train.log, the refusals, where to resume (DESIGN.md section 3). ``script``: the
-    training script, recorded so that its create_model rebuilds the model."""
+    lock, train.log, the refusals of a changed flag of ``parser``'s fingerprint, where to resume
+    (DESIGN.md section 3). ``script``: the training script, recorded so that its create_model
+    rebuilds the model."""
     global RUN
     logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
@@ -306,7 +322,7 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
-    config = {name: getattr(args, name) for name in fingerprint}
+    config = {name: getattr(args, name) for name in parser.fingerprint}
     config["global_batch"] = args.batch_size * args.grad_accum * world_size
     config["file_digests"] = file_digests(args)  # their content, beside their paths
     state, why = run_state(exp_dir, args.resume_from)
@@ -316,12 +332,11 @@ def open_run(args, parser, fingerprint, rank, world_size, script):
         refuse_foreign_checkpoints(exp_dir, state)
         # The checkpoint carries the config it was saved with: one copied in from another
         # run (or another run's directory) is refused like a changed flag.
-        check_unchanged(args, parser, fingerprint, config, state["config"],
+        check_unchanged(args, parser, config, state["config"],
                         f"{exp_dir} was started", world_size)
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
-            check_unchanged(args, parser, fingerprint, config,
-                            json.loads(own.read_text())["config"],
+            check_unchanged(args, parser, config, json.loads(own.read_text())["config"],
                             f"{state['checkpoint']} was saved", world_size)
         if is_done(args, exp_dir, state, why):
             if args.resume_from:  # a rollback that trains nothing changes nothing
@@ -424,11 +439,11 @@ def is_done(args, exp_dir, state, why):
     return True
 
 
-def check_unchanged(args, parser, fingerprint, config, saved, when, world_size):
+def check_unchanged(args, parser, config, saved, when, world_size):
     """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
     A flag of the fingerprint that ``saved`` lacks (added to the script after the run
     started) counts as its default."""
-    saved = {name: parser.get_default(name) for name in fingerprint} | saved
+    saved = {name: parser.get_default(name) for name in parser.fingerprint} | saved
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
             continue
@@ -1237,18 +1252,6 @@ def _local(value):
         if any(glob.glob(v) for v in braceexpand.braceexpand(pattern)):
             return pattern
     return None
-
-
-def find_checkpoint(path):
-    """The checkpoint directory that ``path`` means: a checkpoint directory itself, or the one
-    a run directory resumes from (see run_state)."""
-    path = Path(path)
-    if path.name.startswith("step-") and (path / "state.json").exists():
-        return path
-    state, _ = run_state(path)
-    if state is None:
-        raise OSError(f"{path} is neither a run directory with a checkpoint nor a checkpoint")
-    return path / state["checkpoint"]
 
 
 def damaged(ckpt_dir, path, error, resume=False):

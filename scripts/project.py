@@ -24,7 +24,8 @@ def project_kit(path, script=None):
     no script, or one without the three files beside it, or ones that cannot serve the scripts."""
     if script is None:
         with contextlib.suppress(OSError, ValueError, KeyError):
-            script = json.loads((utils.find_checkpoint(path) / "state.json").read_text())["script"]
+            state = trained.find_checkpoint(path) / "state.json"
+            script = json.loads(state.read_text())["script"]
     folder = Path(script).resolve().parent if script else utils.KIT
     if folder == utils.KIT or not all((folder / f"{n}.py").is_file() for n in MODULES[:2]):
         return trained

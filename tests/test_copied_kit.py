@@ -162,17 +162,18 @@ def test_a_moved_kit_refuses_to_resume_and_says_how_to_go_on(tiny_model, tmp_pat
 @pytest.mark.slow
 def test_a_flag_that_create_model_reads_outside_the_fingerprint_rebuilds_the_model(
         tiny_model, tmp_path):
-    """--blocks, a learner's new flag read by create_model and not put in FINGERPRINT: the
-    kit's generate.py and --init-from rebuild the model with the value the run trained with."""
+    """--blocks, a learner's new flag read by create_model and declared with add (not in the
+    fingerprint): the kit's generate.py and --init-from rebuild the model with the value the
+    run trained with."""
     script = copy_kit(tmp_path / "proj", "my_train.py", """
         def create_model(args):
             config = utils.pretrained(AutoConfig, args.model_name, "--model-name",
                                       use_cache=False)
             config.n_layer = args.blocks
             return AutoModelForCausalLM.from_config(config)
-        """, edits=[('    add("--init-from-pretrained"',
+        """, edits=[('    fixed("--init-from-pretrained"',
                      '    add("--blocks", type=int, default=1)\n'
-                     '    add("--init-from-pretrained"')])
+                     '    fixed("--init-from-pretrained"')])
     result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=2,
                                                         blocks=2))
     assert result.returncode == 0, result.stderr
@@ -287,3 +288,23 @@ def test_a_lora_model_exports_merged_or_is_refused_never_exported_wrong(tiny_mod
             "transformers loads the export as a model other than the run's", "lora_a",
             "merge_and_unload")
     assert not (tmp_path / "plain").exists() and not (tmp_path / "plain.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_learners_flag_is_fingerprinted_by_where_it_is_declared(tiny_model, tmp_path):
+    """A new flag declared with fixed() shapes the run: resuming with another value is refused
+    by name, before anything changes. One declared with add() may change on resume."""
+    script = copy_kit(tmp_path / "proj", "my_train.py", edits=[(
+        '    fixed("--init-from-pretrained"', '    fixed("--aux-weight", type=float, default=0)\n'
+        '    add("--note", default="")\n    fixed("--init-from-pretrained"')])
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=2,
+                                                        aux_weight=0.5, note="a"))
+    assert result.returncode == 0, result.stderr
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=3,
+                                                        aux_weight=0.5, note="b"))
+    assert result.returncode == 0 and "Resuming" in result.stderr, result.stderr
+    before = snapshot(tmp_path / "run")
+    result = run_in(script.parent, script.name, args_for(tmp_path, tiny_model, max_steps=4,
+                                                        aux_weight=0.25, note="b"))
+    refused(result, "--aux-weight was 0.5 when", "0.25 now")
+    assert snapshot(tmp_path / "run") == before

@@ -240,3 +240,39 @@ def test_label_smoothing_is_the_training_losss_alone():
     assert torch.allclose(plain, F.cross_entropy(
         logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten(), reduction="none").view(
             2, 5).sum(dim=1))
+
+
+def test_a_models_own_loss_term_joins_the_gradient_and_is_logged_apart():
+    """A model whose output carries aux_loss (transformers' Mixtral with output_router_logits,
+    weighed by router_aux_loss_coef): train_step's gradient is that of transformers' own loss
+    (cross-entropy plus the weighed term), "loss" stays the cross-entropy alone, "aux_loss"
+    is the weighed term; cut into micro-batches, the term counts as its mean over them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    ctx = train_llm.Context(0, 1, torch.device("cpu"), False)
+
+    def fresh():
+        torch.manual_seed(0)
+        return MixtralForCausalLM(config)
+
+    def grads(model):
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    reference = fresh()
+    output = reference(input_ids=ids, labels=ids)  # transformers: CE + coef * aux_loss
+    output.loss.backward()
+    model = fresh()
+    stats = train_llm.train_step(model, [{"input_ids": ids}], ctx, train_llm.sequence_losses)
+    assert torch.allclose(grads(model), grads(reference), atol=1e-6)
+    assert stats["aux_loss"].item() == pytest.approx(0.5 * output.aux_loss.item(), rel=1e-5)
+    assert stats["loss"].item() == pytest.approx(output.loss.item() - stats["aux_loss"].item(),
+                                                 rel=1e-5)
+
+    halves = [{"input_ids": ids[:2]}, {"input_ids": ids[2:]}]
+    terms = [0.5 * fresh()(input_ids=h["input_ids"]).aux_loss.item() for h in halves]
+    stats = train_llm.train_step(fresh(), halves, ctx, train_llm.sequence_losses)
+    assert stats["aux_loss"].item() == pytest.approx(sum(terms) / 2, rel=1e-5)

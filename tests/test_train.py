@@ -334,3 +334,19 @@ def test_raising_max_steps_trains_on_at_min_lr_never_back_up(tiny_model, tmp_pat
     longer = train(train_args(tmp_path, tiny_model, name="longer", decay_steps=15, **flags))
     assert longer.returncode == 0 and "cosine to --min-lr 0.001 at step 15" in longer.stderr
     assert metrics(tmp_path / "longer")[9]["lr"] > 1.5e-3
+
+
+@pytest.mark.slow
+def test_an_moe_models_own_loss_term_is_logged_at_every_step(tmp_path):
+    """--model-name a transformers MoE config (Mixtral, output_router_logits): the CLI trains
+    it with its load-balancing term and logs that term as aux_loss beside the loss."""
+    from transformers import MixtralConfig
+    MixtralConfig(vocab_size=8192, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                  num_experts_per_tok=2, output_router_logits=True,
+                  router_aux_loss_coef=0.02).save_pretrained(tmp_path / "moe")
+    result = train(train_args(tmp_path, tmp_path / "moe", max_steps=3, val_freq=3))
+    assert result.returncode == 0, result.stderr
+    lines = metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all(0 < m["aux_loss"] < 1 < m["loss"] for m in lines)
