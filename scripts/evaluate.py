@@ -161,6 +161,10 @@ def main():
         sys.exit(f"{args.model} trained {type(model).__name__}, a model of its own: "
                  "lm-evaluation-harness scores transformers models only.")
     chat = laid_out(tokenizer, layout, kit.data)
+    if any(hasattr(model.config, a) for a in ("n_positions", "max_position_embeddings", "n_ctx")):
+        # lm-eval cuts documents into windows of the model's positions after encoding them
+        # whole: the tokenizer's own limit would warn of indexing errors that never happen.
+        tokenizer.model_max_length = transformers.tokenization_utils_base.VERY_LARGE_INTEGER
     lm = KitLM(pretrained=model.to(args.device).eval(), tokenizer=tokenizer,
                batch_size=args.batch_size, device=str(args.device), bos_first=layout != "chat")
     results = simple_evaluate(model=lm, tasks=task_configs(names), limit=args.limit,

@@ -4,6 +4,7 @@ checkpoint's scores go into the run's eval.jsonl with their step."""
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 
@@ -105,3 +106,25 @@ def test_the_scores_of_a_run_that_logs_to_wandb_go_to_its_wandb_run(tiny_model, 
     assert result.returncode == 0, result.stderr[-3000:]
     logged = b"".join(p.read_bytes() for p in (tmp_path / "w/wandb").glob(f"*{run_id}/*.wandb"))
     assert b"eval/kit_bpb/bits_per_byte" in logged and b"eval/step" in logged
+
+
+@pytest.mark.slow
+def test_documents_longer_than_the_tokenizers_limit_are_scored_without_a_false_warning(
+        tiny_model, tmp_path):
+    """lm-eval encodes a document whole, then windows it by the model's positions: a tokenizer
+    whose model_max_length is shorter than the documents causes no indexing error, and
+    evaluate.py prints no transformers warning that it would."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(ROOT / "assets/tokenizer", tokenizer)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "model_max_length": 8}))
+    result = train(train_args(tmp_path, tiny_model, name="w", max_steps=2, val_freq=2,
+                              ckpt_freq=2, sample_tokens=0, tokenizer=tokenizer))
+    assert result.returncode == 0, result.stderr
+    result = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "w"),
+                             "--limit", "2", "--tasks", "kit_bpb"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert table(result.stdout)["kit_bpb", "bits_per_byte"] > 0
+    assert "Token indices sequence length is longer" not in result.stderr
