@@ -83,17 +83,13 @@ def main():
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizers, schedulers, extra, train_loader, args, ctx)
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
-    run.begin_training(args, ctx, train_loader, extra)  # forget what a killed run did after it
-    losses = compile_model(model, args)  # --compile: the model, in place, and the loss
+    run.discard_after_checkpoint(args, ctx, train_loader, extra)  # what a killed run did later
+    loss_fn = compile_model(model, args)  # --compile: the model, in place, and the loss
 
     stop = utils.stop_on_signals(train_loader)  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
-    save = functools.partial(save_checkpoint, run, model, optimizers, schedulers, extra,
-                             train_loader, args, ctx, writer)
-    validate = functools.partial(validation_metrics, model, val_batches, ctx, domains,
-                                 tokenizer, args, trained.prompt_format(state["config"]), stop)
-    # Each step's numbers, summed over ranks on the GPU, are read a step later: no wait for it.
-    in_flight = utils.StepNumbers(ctx, run, train_loader, writer)  # (not finite: the run ends)
+    prompt_format = trained.prompt_format(state["config"])  # how the samples are laid out
+    in_flight = utils.StepNumbers(ctx, run, train_loader, writer)  # read a step late: no wait
     timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
     speed = utils.Throughput(timers, state["global_step"], tokens_per_step, flops_per_token, ctx)
@@ -109,23 +105,27 @@ def main():
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"]:  # next() by hand, so the wait for data is measured
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
-            if not utils.data_left(batches, step, args, ctx, train_loader, tokenizer):
+            if utils.out_of_data(batches, step, args, ctx, train_loader):  # --epochs: all ranks
                 log_steps(in_flight.ready(wait=True), log, domains, state, args)
-                if log.last and "val_loss" not in log.last and not stop.is_set():
-                    log.rewrite_last(validate())  # validate the last step anyway
-                state["data_exhausted"] = not stop.is_set()  # (--epochs): the run is done
-                save()
+                if log.last and "val_loss" not in log.last and not stop.is_set():  # the last step
+                    log.rewrite_last(validation_metrics(model, val_batches, ctx, domains,
+                                                        tokenizer, args, prompt_format, stop))
+                state["data_exhausted"] = not stop.is_set()  # the run is done
+                save_checkpoint(run, model, optimizers, schedulers, extra, train_loader, args,
+                                ctx, writer)
                 break
+            if step == 1:  # a new run's first batches must hold something to train on
+                utils.check_first_batches(batches, tokenizer, args, ctx, train_loader)
 
             probabilities = list(mixer.probabilities) if mixer else weights  # this step's
-            stats = train_step(model, batches, ctx, losses, len(domains))
+            stats = train_step(model, batches, ctx, loss_fn, len(domains))
             log_step = step % args.log_freq == 0 or step == args.max_steps
             stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
             stats["grad_norm"] = clip_gradients(model, args, ctx)
             lrs = update(optimizers, schedulers)  # the learning rates this step used
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
-            utils.past_first_step(step, run, args, ctx)  # collectives then time out sooner
+            run.step_taken(step, args, ctx)  # from now on signals wait for the step in flight
 
             metrics = {"step": step, **lrs, "tokens_seen": state["tokens_seen"],
                        **{f"mix/p_{name}": p for name, p in zip(domains, probabilities or ())}}
@@ -133,7 +133,8 @@ def main():
                 metrics |= speed.metrics(step)
             if step % args.val_freq == 0 or step == args.max_steps:
                 with timers["validation"]:
-                    metrics |= validate()
+                    metrics |= validation_metrics(model, val_batches, ctx, domains, tokenizer,
+                                                  args, prompt_format, stop)
                 stopping |= metrics.pop("stopped", False)  # a signal during validation
             in_flight.add(stats, metrics)  # (its loss and gradient norm: still computing)
             stopping |= log_steps(in_flight.ready(), log, domains, state, args)  # the step before
@@ -143,7 +144,8 @@ def main():
                 stopping |= log_steps(in_flight.ready(wait=True), log, domains, state, args)
                 with timers["checkpoint"]:
                     log.flush()  # (the lines of the steps the checkpoint holds)
-                    save()
+                    save_checkpoint(run, model, optimizers, schedulers, extra, train_loader,
+                                    args, ctx, writer)
             gc_control.step(step)
         if stopping:  # decided together, so all ranks saved and all leave here
             LOGGER.info(f"Stopped at step {step}; rerun the same command to resume.")
@@ -420,11 +422,11 @@ def save_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx
 
 # --- The training step ------------------------------------------------------------------------
 
-def train_step(model, batches, ctx, losses, n_domains=0):
+def train_step(model, batches, ctx, loss_fn, n_domains=0):
     """Forward and backward over one step's micro-batches, whose gradients add up.
 
     The gradient is that of the step's mean loss per scored token over all micro-batches and
-    ranks, however the batch is cut: each micro-batch's summed loss (``losses``) is divided
+    ranks, however the batch is cut: each micro-batch's summed loss (``loss_fn``) is divided
     by the step's count of scored tokens (one all-reduce), times the world size, which DDP's
     averaging divides out (a mean per micro-batch would weigh one with few answer tokens like
     one with many). Returns this rank's numbers as tensors: "loss" (its share of the mean)
@@ -442,7 +444,7 @@ def train_step(model, batches, ctx, losses, n_domains=0):
         with utils.gradient_sync(model, enabled=i == len(batches) - 1):
             with ctx.autocast():
                 logits, targets, aux = forward(model, batch, ctx.device)
-                sums, counts = losses(logits, targets)
+                sums, counts = loss_fn(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
             # The logits ([batch, seq, vocab], the largest activation) are needed only by the
             # loss's backward, which runs first: without our reference they go right after.

@@ -253,7 +253,7 @@ class Run:
         self.state, self.training, self.first_step = None, False, 0
         self.stepped = False  # this start has trained a step (signals then wait for its end)
 
-    def begin_training(self, args, ctx, loader, extra=()):
+    def discard_after_checkpoint(self, args, ctx, loader, extra=()):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
         debris of unfinished saves), so that metrics.jsonl holds every step once. From here on
         a failure keeps the directory. --resume-from lets later checkpoints go: every rank
@@ -290,6 +290,14 @@ class Run:
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
         self.state["world_size"] = world_size
         self.training, self.first_step = True, self.state["global_step"]
+
+    def step_taken(self, step, args, ctx):
+        """A step is taken: a signal now waits for the step in flight to end (before, it stops
+        the start at once: stop_at_once). After this start's first, which may be slow on some
+        rank (compiling, loading), collectives wait at most --dist-timeout: a hung rank fails."""
+        self.stepped = True
+        if step == self.first_step + 1 and ctx.distributed:
+            set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
 
 
 def open_run(args, parser, rank, world_size, script):
@@ -566,7 +574,7 @@ class MetricsLog:
     and only here."""
 
     def __init__(self, exp_dir, args, state, rank):
-        # Opened at the first line, once begin_training has set an old file aside.
+        # Opened at the first line, once discard_after_checkpoint has set an old file aside.
         self.path, self.file = exp_dir / "metrics.jsonl" if rank == 0 else None, None
         self.wandb, self.unsent, self.lines, self.last, self.held = None, [], [], None, 0
         if rank == 0 and args.wandb != "disabled":
@@ -684,17 +692,18 @@ def rank_flags(stop, log_step, loader, device):
     return flags
 
 
-def data_left(batches, step, args, ctx, loader, tokenizer):
-    """Whether every rank got its micro-batches for this step (only --epochs ends the data).
+def out_of_data(batches, step, args, ctx, loader):
+    """Whether some rank lacks a micro-batch of this step (only --epochs ends the data), or a
+    signal came while the loader hung on a read: then no step is taken.
 
     With finite data ranks run out at different steps (their shards differ); all stop
-    together, or the others would wait forever in the next all-reduce. A new run's first step
-    must hold something to train on: no data at all, or only special tokens, is refused.
+    together, or the others would wait forever in the next all-reduce. A new run whose data
+    ends before its first step is refused.
     """
     if getattr(loader, "interrupted", False):  # a signal while a read hung: no step to take
         LOGGER.warning(f"The signal came while the data loader waited on a read: saving step "
                        f"{step - 1}, the last one taken")
-        return False
+        return True
     left = None not in batches
     if args.epochs and ctx.world_size > 1:
         left = all_ranks(left, ctx.cpu_group)
@@ -708,10 +717,13 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
                  "--batch-size/--seq-length.")
     if not left:
         LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
-    if not left or step > 1:
-        return left
-    # Empty documents ("text": "", or a field that holds nothing the tokenizer keeps) would
-    # train on BOS and EOS alone, for ever: a first step that scores nothing else is refused.
+    return not left
+
+
+def check_first_batches(batches, tokenizer, args, ctx, loader):
+    """A new run's first step must score something besides special tokens: empty documents
+    ("text": "", or a field that holds nothing the tokenizer keeps) would train on BOS and EOS
+    alone, for ever."""
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     targets = [b["labels"] if "labels" in b else b["input_ids"] for b in batches]
     scored = [t[:, 1:][t[:, 1:] != -100] for t in targets]  # each token's next one
@@ -722,7 +734,6 @@ def data_left(batches, step, args, ctx, loader, tokenizer):
                  f"--dataset {args.dataset} are empty, or their text is not where the kit "
                  "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
                  "or (--task sft) --seq-length cuts every answer off.")
-    return True
 
 
 def stop_if_diverged(numbers, step, run, loader, writer):
@@ -738,15 +749,6 @@ def stop_if_diverged(numbers, step, run, loader, writer):
     sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
              f"checkpoint (the weights are garbage now); {last}. Lower --lr or raise "
              "--warmup-steps.")
-
-
-def past_first_step(step, run, args, ctx):
-    """After this start's first step, which may be slow on some rank (compiling, loading),
-    collectives wait at most --dist-timeout: a hung rank then fails fast; and a signal waits
-    for the step in flight to end (before, it stops the start at once: stop_at_once)."""
-    run.stepped = True
-    if step == run.first_step + 1 and ctx.distributed:
-        set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
 
 
 def cli(main):
@@ -1089,7 +1091,7 @@ def join_process_group(backend, rank, world_size, dist_timeout, device):
     """torch.distributed.init_process_group, under torchrun in a store prefix of this start's
     own; a rank that cannot reach the others fails within ``dist_timeout`` seconds (30 at
     least), so that torchrun restarts the group (DESIGN.md section 4). Until the first step
-    collectives wait 30 minutes (past_first_step shortens it)."""
+    collectives wait 30 minutes (Run.step_taken shortens it)."""
     env = os.environ
     if "MASTER_ADDR" not in env:
         sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")

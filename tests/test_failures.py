@@ -173,7 +173,7 @@ def test_wandb_online_without_a_login_is_one_paragraph(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     args = argparse.Namespace(wandb="online", wandb_project="p", experiment_name="e",
-                              max_steps=3)
+                              max_steps=3, resume_from=None)
     state = {"global_step": 0, "wandb_run_id": None}
     with pytest.raises(SystemExit) as stop:
         utils.MetricsLog(tmp_path, args, state, rank=0)

@@ -123,7 +123,7 @@ def test_packed_samples_do_not_see_each_other(compiled):
         if packed:
             batch["position_ids"] = positions
         with torch.no_grad():
-            logits, _ = train_llm.forward(model, batch, device)
+            logits = train_llm.forward(model, batch, device)[0]
         return logits[0, 10:].float().cpu()
 
     for mode in ("train", "eval"):  # train mode is how the loss is made (no dropout here)
