@@ -6,7 +6,7 @@ checkpoint directory, a Hugging Face directory (a run's hf/) or a Hub name.
     python scripts/evaluate.py outputs/demo --tasks hellaswag,arc_easy --limit 500  # internet
 
 The kit ships two tasks made from the sample corpus's validation documents (assets/eval/,
-scripts/make_eval_tasks.py), which need no internet: kit_cloze (multiple choice: a document's
+assets/eval/make_eval_tasks.py), which need no internet: kit_cloze (multiple choice: a document's
 own continuation among four; accuracy) and kit_bpb (bits per byte of whole documents). Any
 other name is an lm-eval task (downloaded from the Hub). A run's or checkpoint's model is
 rebuilt as generate.py rebuilds it, no export needed; a --task sft model sees each prompt in

@@ -10,9 +10,9 @@ GPT-2 124M (seq 64) with the background checkpoint writer and --deterministic, S
 a background save is being written, then resumed: its last weights equal an uninterrupted run's
 (torch.equal); --compile and eager losses agree over 20 steps (bf16 rounding apart); --fsdp on
 one rank (torchrun) trains, and a run stopped and resumed logs the losses of one that was not.
-Speed, GPT-2 124M at seq 1024, 16 x 2 sequences a step (scripts/bench_gpu.py's runs): tokens/s,
+Speed, GPT-2 124M at seq 1024, 16 x 2 sequences a step (benchmarks/bench_gpu.py's runs): tokens/s,
 MFU, data wait and peak memory, eager and compiled, and the kit's pipeline against random tokens;
-the kit's step ÷ a bare loop (scripts/bench_loop.py); what a background save of GPT-2 124M
+the kit's step ÷ a bare loop (benchmarks/bench_loop.py); what a background save of GPT-2 124M
 holds the loop up, and how long it takes to write. Each row's goal is printed beside it.
 
 --smoke runs every row but --compile's on the CPU with the tiny model, in about a minute: the
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_gpu  # noqa: E402  (the speed runs: the kit's pipeline and random tokens)
 
 TINY, GPT2 = str(ROOT / "assets/tiny-gpt2"), str(ROOT / "assets/gpt2-124m")
@@ -141,7 +141,7 @@ def fsdp_resume(check, tmp, args):
 
 
 def speed(check, tmp, args):
-    """scripts/bench_gpu.py's runs, eager and compiled, on the kit's data and random tokens."""
+    """benchmarks/bench_gpu.py's runs, eager and compiled, on the kit's data and random tokens."""
     common = ["--model-name", args.speed_model, "--seq-length", str(args.seq_length),
               "--batch-size", str(args.batch_size), "--grad-accum", str(args.grad_accum),
               "--max-steps", str(args.steps), "--log-freq", str(args.log_freq),
@@ -176,8 +176,8 @@ def speed(check, tmp, args):
 
 
 def loop_overhead(check, tmp, args):
-    """scripts/bench_loop.py: the kit's step ÷ a bare loop's, the same model and batch."""
-    command = [sys.executable, str(ROOT / "scripts/bench_loop.py"), "--rounds", "1",
+    """benchmarks/bench_loop.py: the kit's step ÷ a bare loop's, the same model and batch."""
+    command = [sys.executable, str(ROOT / "benchmarks/bench_loop.py"), "--rounds", "1",
                "--steps", str(args.loop_steps), "--warmup", "3", "--",
                "--model-name", args.speed_model, "--seq-length", str(args.seq_length),
                "--batch-size", str(args.batch_size), *args.device_flags]

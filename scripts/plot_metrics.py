@@ -1,7 +1,7 @@
 """Plot runs' training loss, validation loss and throughput from their metrics.jsonl, and, for
 runs that mix domains (--mix, --odm), each domain's probability and validation loss. Several
 runs are drawn on the same axes, to compare them (their seeds' spread: docs/benchmarks.md,
-"Muon beside AdamW", made by scripts/optimizer_experiment.py).
+"Muon beside AdamW", made by experiments/optimizer_experiment.py).
 
     python scripts/plot_metrics.py outputs/demo             # writes outputs/demo/metrics.png
     python scripts/plot_metrics.py outputs/adamw outputs/muon --out compare.png

@@ -14,7 +14,7 @@
    pass uses no randomness (needed for bit-exact resume of training).
 
 Both outputs are deterministic: the same data gives byte-identical files.
-Regenerate the shipped ones with (after scripts/make_sample_data.py):
+Regenerate the shipped ones with (after data/make_sample_data.py):
     python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl' \
         --out assets/tokenizer --config-out assets/tiny-gpt2 --overwrite
 Without --overwrite it writes into new or empty directories only (default: outputs/).

@@ -240,6 +240,21 @@ def kill_at(proc, exp_dir, step, delay=0.0, kill=None, timeout=120):
     assert proc.wait() != 0, f"the run finished before the kill after step {step}"
 
 
+def straight_and_killed(args, tmp_path, at=13):
+    """The run ``args(name)`` (flags whose --save-dir is ``tmp_path``) twice: "straight", and
+    "killed": SIGKILLed once it has logged each step of ``at`` (one, or several in turn) and
+    rerun to the end. Their directories, and the steps the reruns said they resumed from."""
+    result = train(args("straight"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = tmp_path / "log.txt"
+    for step in [at] if isinstance(at, int) else at:
+        kill_at(start(args("killed"), log), tmp_path / "killed", step)
+    result = train(args("killed"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (tmp_path / "straight", tmp_path / "killed",
+            resumed_steps(log.read_text() + result.stderr))
+
+
 # -- What a run wrote -----------------------------------------------------------------------------
 
 def metrics(exp_dir):

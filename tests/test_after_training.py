@@ -17,13 +17,12 @@ from helpers import (
     assert_same_run,
     copy_run,
     export,
-    kill_at,
     metrics,
     refused,
-    resumed_steps,
     script,
     snapshot,
     start,
+    straight_and_killed,
     train,
     train_args,
     wait_for,
@@ -131,17 +130,14 @@ def test_an_init_from_run_resumes_exactly_and_its_samples_change_nothing(run_dir
     one = tmp_path / "one.jsonl"  # the user's own data, one file (the source ran on shards)
     one.write_text("".join(p.read_text() for p in sorted(ROOT.glob("data/sample/*/train-*"))))
 
-    def run(name, **overrides):
-        return [*train_args(tmp_path, None, name, dataset=one, **overrides),
+    def run(name):
+        return [*train_args(tmp_path, None, name, dataset=one,
+                            **({"sample_tokens": 0} if name == "straight" else {})),
                 f"--init-from={run_dir}"]
 
-    result = train(run("straight", sample_tokens=0))
-    assert result.returncode == 0, result.stderr
-    kill_at(start(run("killed"), tmp_path / "log.txt"), tmp_path / "killed", 14)
-    result = train(run("killed"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps(result.stderr) == [10]
-    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+    straight, killed, resumed = straight_and_killed(run, tmp_path, at=14)
+    assert resumed == [10]
+    assert_same_run(killed, straight)
 
     samples = {row["step"]: row.get("sample") for row in metrics(tmp_path / "killed")}
     assert all(isinstance(samples[step], str) and samples[step] for step in (10, 20, 30))

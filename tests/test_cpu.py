@@ -1,6 +1,6 @@
 """Training on a CPU: the tokenizer backend's thread pool never starts beside the kit's own
 tokenizing threads, and memory a step frees is reused by the next without faulting it in
-again. (What these buy in speed: scripts/bench_cpu.py and scripts/bench_data.py.)"""
+again. (What these buy in speed: benchmarks/bench_cpu.py and benchmarks/bench_data.py.)"""
 
 import subprocess
 import sys

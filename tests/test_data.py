@@ -77,7 +77,7 @@ def test_files_round_robin_over_active_shards(tmp_path):
         "a1", "b1", "a2", "a3", "c1", "c2", "b1", "a1", "a2"]
 
 
-def test_files_repeat_and_shuffled_shard_order(tmp_path):
+def test_repeated_shards_get_a_new_order_each_epoch_reproducible_from_the_seed(tmp_path):
     urls = [write_jsonl(tmp_path / f"{i}.jsonl", [{"text": str(i)}]) for i in range(6)]
     plain = Files(urls, repeat=True)
     assert [next(plain)["text"] for _ in range(8)] == ["0", "1", "2", "3", "4", "5", "0", "1"]
@@ -89,7 +89,8 @@ def test_files_repeat_and_shuffled_shard_order(tmp_path):
     assert [next(again)["text"] for _ in range(18)] == sum(epochs, [])
 
 
-def test_files_empty_shard_and_blank_lines(tmp_path, caplog):
+def test_blank_lines_and_an_empty_shard_are_skipped_but_shards_all_empty_are_refused(tmp_path,
+                                                                                     caplog):
     a = write_jsonl(tmp_path / "a.jsonl", [])
     b = tmp_path / "b.jsonl"
     b.write_text('{"text": "x"}\n\n{"text": "y"}')  # blank line, no final newline
@@ -100,7 +101,7 @@ def test_files_empty_shard_and_blank_lines(tmp_path, caplog):
         next(Files([a], repeat=True))
 
 
-def test_expand_urls(tmp_path):
+def test_braces_globs_and_directories_expand_to_sorted_shards_and_no_match_is_refused(tmp_path):
     for name in ["s-000.jsonl", "s-001.jsonl", "s-002.jsonl", "notes.txt"]:
         (tmp_path / name).write_text("")
     d = str(tmp_path)
@@ -131,7 +132,7 @@ def test_a_path_that_exists_is_that_file_and_a_shard_is_listed_once(tmp_path):
 
 # -- Sequence and the simple transforms ------------------------------------------------------------
 
-def test_sequence():
+def test_a_sequence_reshuffles_each_epoch_and_later_stages_cannot_change_its_items():
     assert list(Sequence([1, 2, 3])) == [1, 2, 3]
     rep = Sequence([1, 2, 3], repeat=True, shuffle=True, seed=1)
     got = [next(rep) for _ in range(9)]
@@ -142,7 +143,7 @@ def test_sequence():
     assert next(seq) == {"text": "a"}, "later stages must not change the next epoch's items"
 
 
-def test_map_filter_take():
+def test_map_applies_filter_keeps_and_take_stops_after_n_items():
     assert list(Map(Sequence(range(4)), lambda x: x * 10)) == [0, 10, 20, 30]
     assert list(Filter(Sequence(range(6)), lambda x: x % 2)) == [1, 3, 5]
     assert list(Take(Sequence(range(6)), 2)) == [0, 1]
@@ -151,7 +152,7 @@ def test_map_filter_take():
 
 # -- Tokenize and EnsureBosEos ---------------------------------------------------------------------
 
-def test_tokenize_fast_and_slow_paths(toy):
+def test_tokenize_gives_the_same_ids_and_fields_with_or_without_a_fast_backend(toy):
     docs = [{"text": "a b c", "id": 1}, {"text": "z", "id": 2}, {"text": "", "id": 3}] * 5
     want = [[3, 4, 5], [28], []] * 5
     out = list(Tokenize(Sequence(docs), toy, num_threads=2, batch_size=2))
@@ -171,7 +172,7 @@ def test_tokenize_fast_and_slow_paths(toy):
     assert [s["input_ids"] for s in out] == want
 
 
-def test_tokenize_missing_column(toy):
+def test_tokenize_refuses_records_without_a_text_field(toy):
     with pytest.raises(ValueError, match="no string field 'text'"):
         list(Tokenize(Sequence([{"content": "a"}]), toy))
 
@@ -235,7 +236,7 @@ def test_long_documents_are_cut_into_pieces_of_one_document(toy):
     assert samples[-1]["input_ids"] == [bos, toy.convert_tokens_to_ids("z"), eos]
 
 
-def test_ensure_bos_eos(toy):
+def test_bos_and_eos_are_added_only_where_missing_and_once_when_they_are_one_token(toy):
     docs = [{"input_ids": [3, 4]}, {"input_ids": [0, 3, 1]}, {"input_ids": []}]
     assert [s["input_ids"] for s in EnsureBosEos(Sequence(docs), toy)] == [
         [0, 3, 4, 1], [0, 3, 1], [0, 1]]
@@ -251,7 +252,7 @@ def docs_of(*lists):
     return Sequence([{"input_ids": list(x), "text": "dropped"} for x in lists])
 
 
-def test_chunk():
+def test_chunk_cuts_each_document_alone_and_drops_or_keeps_its_remainder():
     src = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
     assert ids(Chunk(docs_of(*src), 3)) == [[1, 2, 3], [4, 5, 6], [9, 10, 11]]
     assert ids(Chunk(docs_of(*src), 3, drop_remainder=False)) == [
@@ -260,14 +261,14 @@ def test_chunk():
     assert set(out) == {"input_ids"} and out["input_ids"].dtype == torch.long
 
 
-def test_concat_chunk():
+def test_concat_chunk_joins_documents_into_full_chunks_and_drops_the_tail():
     src = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10, 11, 12, 13], [14]]
     assert ids(ConcatChunk(docs_of(*src), 3)) == [
         [1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]  # [13, 14] is the dropped final part
     assert ids(ConcatChunk(docs_of([1]), 2)) == []
 
 
-def test_shuffle():
+def test_shuffle_is_a_seeded_permutation_that_moves_an_item_at_most_a_buffer_earlier():
     assert list(Shuffle(Sequence(range(10)), 1)) == list(range(10))
     out = list(Shuffle(Sequence(range(50)), 8, seed=1))
     assert sorted(out) == list(range(50)) and out != list(range(50))
@@ -277,7 +278,7 @@ def test_shuffle():
     assert all(pos >= item - 7 for pos, item in enumerate(out))
 
 
-def test_batch():
+def test_batch_stacks_tensors_lists_other_fields_and_refuses_ragged_ones():
     src = [{"input_ids": torch.tensor([i, i]), "name": str(i)} for i in range(5)]
     out = list(Batch(Sequence(src), 2))
     assert [b["input_ids"].tolist() for b in out] == [[[0, 0], [1, 1]], [[2, 2], [3, 3]], [[4, 4]]]
@@ -403,14 +404,14 @@ def test_bad_record_names_shard_and_line(tmp_path, caplog, line, problem):
     assert f"shard {path}, line 3" in caplog.text
 
 
-def test_missing_shard(tmp_path):
+def test_a_missing_shard_is_refused_by_name_when_its_turn_comes(tmp_path):
     files = Files([write_jsonl(tmp_path / "a.jsonl", [{"text": "a"}]), str(tmp_path / "b.jsonl")])
     assert next(files)["text"] == "a"
     with pytest.raises(FileNotFoundError, match="b.jsonl does not exist"):
         next(files)
 
 
-def test_truncated_gzip(tmp_path):
+def test_a_truncated_gzip_shard_fails_naming_the_shard_and_the_last_line_read(tmp_path):
     path = tmp_path / "cut.jsonl.gz"
     write_jsonl(path, [{"text": f"record {i} " + "x" * 50} for i in range(2000)])
     data = path.read_bytes()
@@ -472,7 +473,7 @@ def test_corrupt_zstd_names_the_shard(tmp_path):
 
 # -- Pad and Pack (fine-tuning) -----------------------------------------------------------------
 
-def test_pad():
+def test_pad_masks_the_padding_and_refuses_or_truncates_a_sample_too_long():
     src = Sequence([{"input_ids": [5, 6, 7]},
                     {"input_ids": [5, 6], "labels": [-100, 6]}])  # a masked prompt token
     out = [{k: v.tolist() for k, v in s.items()} for s in Pad(src, 4, pad_id=1)]
@@ -486,7 +487,7 @@ def test_pad():
     assert cut["input_ids"].tolist() == [5, 6] and cut["labels"].tolist() == [5, 6]
 
 
-def test_pack():
+def test_pack_restarts_positions_per_sample_and_truncates_or_drops_long_ones():
     src = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]},
            {"input_ids": [6, 7, 8, 9]}, {"input_ids": [10, 11, 12, 13, 14, 15, 16]},
            {"input_ids": [17]}]

@@ -290,8 +290,9 @@ def test_sigkill_the_torchrun_group_then_resume_is_bit_identical(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resume_on_another_number_of_ranks(two_ranks, tiny_model, corpus, tmp_path, before,
-                                           after):
+def test_a_resume_on_another_number_of_ranks_skips_and_repeats_no_document(two_ranks, tiny_model,
+                                                                           corpus, tmp_path,
+                                                                           before, after):
     """W -> W' ranks at step 6 with the global batch kept (per-rank batch 8/W); --max-steps
     raised at the same time. No document is skipped or repeated: with one document per
     sequence and no shuffle buffer the documents consumed are those of the W-rank run."""

@@ -11,10 +11,8 @@ from helpers import (
     Sequence,
     digest,
     examples,
-    kill_at,
     metrics,
-    resumed_steps,
-    start,
+    straight_and_killed,
     train,
     train_args,
 )
@@ -24,7 +22,7 @@ from hypothesis import strategies as st
 from data import Batch, Mix, OnlineMixer, Prefetch
 
 
-def test_exp3_against_hand_computed_values():
+def test_exp3_rewards_and_probabilities_equal_hand_computed_values():
     mixer = OnlineMixer([1, 1], variant="exp3", alpha=0.9)
     # Step 1: both domains in the batch, p = (0.5, 0.5).
     # R = 0.1 * L / p = (0.1 * 2.0 / 0.5, 0.1 * 1.0 / 0.5) = (0.4, 0.2).
@@ -43,7 +41,7 @@ def test_exp3_against_hand_computed_values():
     assert mixer.probabilities[0] == pytest.approx(0.5116, abs=1e-4)  # by hand
 
 
-def test_smoothed_mean_against_hand_computed_values():
+def test_smoothed_mean_rewards_and_probabilities_equal_hand_computed_values():
     mixer = OnlineMixer([1, 1, 2], variant="smoothed-mean", alpha=0.5, warmup_steps=1)
     mixer.update({0: 1.0, 1: 2.0, 2: 3.0}, step=1)  # inside warm-up: nothing changes
     assert mixer.probabilities == [0.25, 0.25, 0.5] and mixer.rewards == [0, 0, 0]
@@ -206,16 +204,9 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
         return train_args(tmp_path, tiny_model, name=name, odm="exp3", odm_warmup_steps=12,
                           ckpt_freq=5, max_steps=30)
 
-    result = train(args("straight"))
-    assert result.returncode == 0, result.stderr
-    killed = tmp_path / "killed"
-    for at in (8, 17):  # resumes from a checkpoint inside the warm-up, then one after it
-        kill_at(start(args("killed"), tmp_path / "log.txt"), killed, at)
-    result = train(args("killed"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps((tmp_path / "log.txt").read_text() + result.stderr) == [5, 15]
-
-    straight = tmp_path / "straight"
+    # Resumed from a checkpoint inside the warm-up, then from one after it.
+    straight, killed, resumed = straight_and_killed(args, tmp_path, at=(8, 17))
+    assert resumed == [5, 15]
     final = "checkpoints/step-000030"
     a, b = (torch.load(d / final / "model.pt", weights_only=True) for d in (killed, straight))
     assert all(torch.equal(a[k], b[k]) for k in a)

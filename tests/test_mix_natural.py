@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import kill_at, metrics, resumed_steps, start, train, train_args
+from helpers import metrics, straight_and_killed, train_args
 
 import data
 import utils
@@ -41,12 +41,7 @@ def test_a_natural_mix_killed_resumes_exactly_with_the_weights_it_started_with(t
         return train_args(tmp_path, tiny_model, name=name, dataset=pattern, val_dataset=pattern,
                           mix="natural", ckpt_freq=5, max_steps=15, val_freq=5)
 
-    result = train(args("straight"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    kill_at(start(args("killed"), tmp_path / "log.txt"), tmp_path / "killed", 7)
-    result = train(args("killed"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert resumed_steps((tmp_path / "log.txt").read_text() + result.stderr) == [5]
+    assert straight_and_killed(args, tmp_path, at=7)[2] == [5]
     final = "checkpoints/step-000015/model.pt"
     a, b = (torch.load(tmp_path / d / final, weights_only=True) for d in ("killed", "straight"))
     assert all(torch.equal(a[k], b[k]) for k in a)

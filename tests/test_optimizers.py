@@ -9,11 +9,9 @@ import torch
 from helpers import (
     ROOT,
     assert_same_run,
-    kill_at,
     metrics,
     refused,
-    resumed_steps,
-    start,
+    straight_and_killed,
     train,
     train_args,
 )
@@ -92,13 +90,10 @@ def test_a_killed_muon_run_resumes_bit_identically_and_keeps_its_optimizer(tiny_
     def muon(name, **overrides):
         return train_args(tmp_path, tiny_model, name, optimizer="muon", **overrides)
 
-    assert train(muon("straight")).returncode == 0
-    assert {"lr/muon", "lr/adamw"} <= set(metrics(tmp_path / "straight")[0])
-    kill_at(start(muon("killed"), tmp_path / "log.txt"), tmp_path / "killed", 13)
-    result = train(muon("killed"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps(result.stderr) == [10]
-    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+    straight, killed, resumed = straight_and_killed(muon, tmp_path)
+    assert {"lr/muon", "lr/adamw"} <= set(metrics(straight)[0])
+    assert resumed == [10]
+    assert_same_run(killed, straight)
     refused(train(train_args(tmp_path, tiny_model, "killed", max_steps=40)), "--optimizer",
             "'muon'")
 

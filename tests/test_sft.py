@@ -8,12 +8,9 @@ from helpers import (
     ROOT,
     Sequence,
     examples,
-    kill_at,
     metrics,
-    resumed_steps,
     run_with_cuts,
-    start,
-    train,
+    straight_and_killed,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -64,7 +61,7 @@ def test_chat_template_masks_all_but_the_last_answer():
         format_one({"messages": messages})
 
 
-def test_packed_instruction_batch_by_hand():
+def test_packed_instruction_samples_keep_their_labels_and_restart_positions():
     """Two short samples in one 2 x 16 batch: labels only on the answers, positions restart."""
     records = [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "d"}]
     samples = [format_one(r) for r in records]
@@ -118,13 +115,8 @@ def test_sft_demo_trains_and_resumes_exactly(tiny_model, tmp_path):
                 "--lr=1e-2", "--warmup-steps=3", "--log-freq=5", "--val-freq=10",
                 "--val-batches=2", "--ckpt-freq=10", "--max-steps=30", "--wandb=disabled"]
 
-    result = train(args("straight"))
-    assert result.returncode == 0, result.stderr
-    killed = tmp_path / "killed"
-    kill_at(start(args("killed"), tmp_path / "log.txt"), killed, 13)
-    result = train(args("killed"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps(result.stderr) == [10]
+    _, killed, resumed = straight_and_killed(args, tmp_path)
+    assert resumed == [10]
 
     rows = metrics(tmp_path / "straight")
     first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5

@@ -32,12 +32,11 @@ from helpers import (
     Take,
     examples,
     global_step,
-    kill_at,
     last_step,
     metrics,
-    resumed_steps,
     run_with_cuts,
     start,
+    straight_and_killed,
     train,
     train_args,
     wait_for,
@@ -494,7 +493,7 @@ def test_http_permanent_errors_fail_at_once(web, web_shards, status, error, word
     assert len(web.requests) == 1  # no retry
 
 
-def test_http_missing_and_truncated(web, web_shards):
+def test_a_missing_or_truncated_http_shard_is_named_and_not_retried(web, web_shards):
     with pytest.raises(FileNotFoundError, match=f"shard {web.url('/nope.jsonl')} does not exist"):
         next(Files(web.url("/nope.jsonl"), retry_delay=0))
     whole = web.files["/b.jsonl.gz"]
@@ -555,7 +554,8 @@ def test_parquet_resume_does_not_read_earlier_row_groups(tmp_path, monkeypatch):
         assert not [r for r in reads if r[0] < hi and r[1] > lo], f"read row group {group}"
 
 
-def test_format_by_name_and_override(tmp_path):
+def test_a_shards_format_comes_from_its_name_or_format_and_an_unknown_or_wrong_one_is_named(
+        tmp_path):
     (tmp_path / "a.json.gz").write_bytes(gzip.compress(jsonl_bytes(documents(3))))
     (tmp_path / "b.jsonl.bz2").write_bytes(__import__("bz2").compress(jsonl_bytes(documents(2))))
     (tmp_path / "c.data").write_bytes(jsonl_bytes(documents(4)))
@@ -610,14 +610,14 @@ def test_parquet_null_text_names_shard_and_row(tmp_path, caplog):
 @pytest.mark.parametrize("error, transient", [
     (ConnectionResetError(), True), (TimeoutError(), True), (FileNotFoundError(), False),
     (ValueError("bad data"), False), (EOFError(), False)])
-def test_is_transient(error, transient):
+def test_connection_errors_are_retried_and_missing_files_or_bad_data_are_not(error, transient):
     assert data.is_transient(error) is transient
     wrapped = OSError("smart_open's words")
     wrapped.__cause__ = error
     assert data.is_transient(wrapped) is transient
 
 
-def test_is_transient_s3_and_http_answers():
+def test_s3_and_http_answers_that_say_try_again_are_retried_and_others_not():
     from botocore.exceptions import ClientError
     from requests.exceptions import HTTPError, SSLError
 
@@ -723,18 +723,14 @@ def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_pat
         tmp_path / "saved")
     args = lambda name: train_args(  # noqa: E731
         tmp_path, tiny_model, name, dataset=f"{tmp_path / 'saved'}:main", max_steps=20)
-    result = train(args("straight"))
-    assert result.returncode == 0, result.stderr
-    kill_at(start(args("cut"), tmp_path / "log.txt"), tmp_path / "cut", 13)
-    result = train(args("cut"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps(result.stderr) == [10]
-    assert ([(r["step"], r["loss"]) for r in metrics(tmp_path / "cut")]
-            == [(r["step"], r["loss"]) for r in metrics(tmp_path / "straight")])
+    straight, killed, resumed = straight_and_killed(args, tmp_path)
+    assert resumed == [10]
+    assert ([(r["step"], r["loss"]) for r in metrics(killed)]
+            == [(r["step"], r["loss"]) for r in metrics(straight)])
     final = "checkpoints/step-000020/model.pt"
-    a, b = (torch.load(tmp_path / d / final, weights_only=True) for d in ("cut", "straight"))
+    a, b = (torch.load(d / final, weights_only=True) for d in (killed, straight))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    loader = json.loads((tmp_path / "cut/checkpoints/step-000020/loader-rank0.json").read_text())
+    loader = json.loads((killed / "checkpoints/step-000020/loader-rank0.json").read_text())
     assert '"index"' in json.dumps(loader)  # it read the saved dataset, by index
 
 

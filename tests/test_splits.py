@@ -153,7 +153,7 @@ def test_one_big_file_over_four_ranks_each_reads_a_quarter(tmp_path):
     assert sorted(docs) == list(range(40_000))
 
 
-def test_more_ranks_than_files(tmp_path):
+def test_more_ranks_than_files_gives_every_rank_work_within_twice_the_mean(tmp_path):
     """3 files of uneven size (one 60x the others), 8 slots over 8 ranks: every rank gets
     work, and the big file is cut so that no rank's share is more than twice the mean."""
     urls = [write(tmp_path / f"f{i}.jsonl", [{"text": "z " * 20, "doc": f"{i}-{j}"}
@@ -192,7 +192,7 @@ def test_a_failing_shard_is_retried_retries_times_not_more(tmp_path, monkeypatch
     assert len(opened) == 4 and str(error.value).count("still failing") == 1
 
 
-def test_alpaca_json_array(tmp_path):
+def test_a_json_array_is_cut_by_index_resumed_exactly_and_its_bad_records_named(tmp_path):
     """Alpaca's alpaca_data.json is one pretty-printed JSON array: read whole, cut by index,
     every record once, resumed exactly; gzip too. A JSON Lines file named .json still reads
     as lines."""
@@ -316,7 +316,7 @@ def test_trainer_stops_at_a_malformed_line_of_one_file(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
-def test_trainer_sft_on_an_alpaca_json_array(tmp_path, tiny_model):
+def test_the_trainer_fine_tunes_on_an_alpaca_json_array_read_by_index(tmp_path, tiny_model):
     records = [{"instruction": f"Repeat {i}.", "input": "" if i % 2 else "now",
                 "output": f"{i} {i}"} for i in range(40)]
     train_file = write(tmp_path / "alpaca_data.json", records[:32])

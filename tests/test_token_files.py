@@ -15,11 +15,10 @@ from helpers import (
     Sequence,
     assert_same_run,
     examples,
-    kill_at,
     refused,
     run_with_cuts,
     script,
-    start,
+    straight_and_killed,
     train,
     train_args,
 )
@@ -314,12 +313,8 @@ def test_a_token_file_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_pat
     def args(name):
         return train_args(tmp_path, tiny_model, name, dataset=path)
 
-    result = train(args("straight"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    kill_at(start(args("killed"), tmp_path / "log.txt"), tmp_path / "killed", 14)
-    result = train(args("killed"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+    straight, killed, _ = straight_and_killed(args, tmp_path, at=14)
+    assert_same_run(killed, straight)
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from helpers import (
     resumable_step,
     resumed_steps,
     start,
+    straight_and_killed,
     train,
     train_args,
     wait_for,
@@ -214,12 +215,9 @@ def test_grad_accum_resumes_exactly_and_the_global_batch_may_be_regrouped(
     def accum(name, **overrides):
         return train_args(tmp_path, tiny_model, name, batch_size=2, grad_accum=2, **overrides)
 
-    assert train(accum("straight")).returncode == 0
-    kill_at(start(accum("killed"), tmp_path / "log.txt"), tmp_path / "killed", 13)
-    result = train(accum("killed"))
-    assert result.returncode == 0, result.stderr
-    assert resumed_steps(result.stderr) == [10]
-    assert_same_run(tmp_path / "killed", tmp_path / "straight")
+    straight, killed, resumed = straight_and_killed(accum, tmp_path)
+    assert resumed == [10]
+    assert_same_run(killed, straight)
 
     result = train(train_args(tmp_path, tiny_model, "regrouped", batch_size=4, max_steps=10))
     assert result.returncode == 0, result.stderr

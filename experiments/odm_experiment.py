@@ -1,8 +1,8 @@
 """Online Data Mixing against the data's natural mixture and against uniform weights, on the
 sample corpus's four domains.
 
-    python scripts/odm_experiment.py                          # 12 runs of the tiny model
-    python scripts/odm_experiment.py --steps 100 --seeds 0    # a smoke run
+    python experiments/odm_experiment.py                          # 12 runs of the tiny model
+    python experiments/odm_experiment.py --steps 100 --seeds 0    # a smoke run
 
 Every variant trains the tiny model from the same start on the same per-domain pipelines; only
 the sampling probabilities differ: natural (--mix natural: each domain by the bytes of its

@@ -11,7 +11,7 @@ with the first paragraph of its docstring:
 About half the records carry the signature as "input", so both forms of the template are
 exercised. Deterministic like make_sample_data.py: sorted files, SHA-256 order, no hash().
 The committed data/sft/ came from CPython 3.11.7:
-    python scripts/make_sft_data.py --out data/sft
+    python data/make_sft_data.py --out data/sft
 """
 import argparse
 import ast

@@ -1,7 +1,7 @@
 """--optimizer muon against AdamW on the demo: the validation loss at equal steps, per seed.
 
-    python scripts/optimizer_experiment.py                        # 6 demo runs, ~8 min on 2 cores
-    python scripts/optimizer_experiment.py --steps 60 --seeds 0   # a smoke run
+    python experiments/optimizer_experiment.py                      # 6 demo runs, ~8 min on 2 cores
+    python experiments/optimizer_experiment.py --steps 60 --seeds 0 # a smoke run
 
 Each run is the demo (python train_llm.py -e NAME, 600 steps of 8 x 128 tokens of the sample
 corpus, the tiny GPT-2) with --optimizer adamw or muon and a seed; nothing else differs: the

@@ -3,9 +3,9 @@ seconds, page faults and peak memory of train_llm.py's demo (the shipped tiny mo
 corpus), each a fresh process. "Busy" is the same run beside --hogs other processes that each
 spin one core, as a learner's laptop with something else running.
 
-    python scripts/bench_cpu.py                                 # this kit: quiet and busy
-    python scripts/bench_cpu.py --before ../kit-old             # and an older checkout
-    python scripts/bench_cpu.py --variants kit one-thread passive
+    python benchmarks/bench_cpu.py                                 # this kit: quiet and busy
+    python benchmarks/bench_cpu.py --before ../kit-old             # and an older checkout
+    python benchmarks/bench_cpu.py --variants kit one-thread passive
 
 --variants runs the kit with environment variables a user might set instead: one-thread
 (OMP_NUM_THREADS=1), passive (OMP_WAIT_POLICY=PASSIVE: OpenMP threads sleep at once when they

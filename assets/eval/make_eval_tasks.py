@@ -1,6 +1,6 @@
 """Make the kit's offline evaluation tasks from the sample corpus's validation documents.
 
-    python scripts/make_eval_tasks.py      # writes assets/eval/{cloze,bpb}.jsonl
+    python assets/eval/make_eval_tasks.py      # writes assets/eval/{cloze,bpb}.jsonl
 
 Two tasks that lm-evaluation-harness runs without internet (assets/eval/*.yaml describe them;
 scripts/evaluate.py scores a run on them):
@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # (the kit: this file is in assets/eval/)
 CONTEXT, CONTINUATION, PER_DOMAIN = 300, 80, 25
 
 

@@ -2,7 +2,7 @@
 (--checkpoint-writer sync) and with background saves (--checkpoint-writer background), side by
 side, and prints each save's cost in seconds and in step times.
 
-    python scripts/bench_checkpoint.py   # GPT-2 124M, seq 64, batch 1, 13 steps, a save every 3
+    python benchmarks/bench_checkpoint.py   # GPT-2 124M, seq 64, batch 1, 13 steps, a save every 3
 
 Each run is train_llm.py in a fresh process, logging every step. The loop time is the time
 from step 1's log line to step 13's; it holds the saves of steps 3, 6, 9 and 12. A step's line

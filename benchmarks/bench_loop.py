@@ -3,9 +3,9 @@ schedule and gradient clipping, on the same pre-made token tensors. It prints to
 and their ratio, so the loop's overhead (kit ÷ bare, same model) and a model's (bare loop,
 shipped model ÷ plain GPT of the same shape) are each one number.
 
-    python scripts/bench_loop.py                          # the demo's defaults, shipped model
-    python scripts/bench_loop.py --models shipped plain   # and a plain GPT of the same shape
-    python scripts/bench_loop.py --rounds 3 --steps 60 -- --device cuda \
+    python benchmarks/bench_loop.py                          # the demo's defaults, shipped model
+    python benchmarks/bench_loop.py --models shipped plain   # and a plain GPT of the same shape
+    python benchmarks/bench_loop.py --rounds 3 --steps 60 -- --device cuda \
         --model-name assets/gpt2-124m --seq-length 1024 --batch-size 16   # on a GPU
 
 "kit" is train_llm.main() as a user runs it, with the demo's defaults (wandb offline, the

@@ -1,6 +1,6 @@
 """What resuming costs for each kind of source: bytes fetched and time to the first record.
 
-    python scripts/bench_sources.py [--shard-mb 64] [--quick]     # ~1 min on 2 cores
+    python benchmarks/bench_sources.py [--shard-mb 64] [--quick]     # ~1 min on 2 cores
 
 One shard of generated documents (default 64 MB of JSONL) is served by a real S3 API server on
 127.0.0.1 (moto) as .jsonl, .jsonl.zst and .parquet, and kept on local disk as a

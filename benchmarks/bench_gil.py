@@ -1,6 +1,6 @@
 """How much the training loader slows a Python-bound training thread (DESIGN.md section 6).
 
-    python scripts/bench_gil.py [--seconds 2] [--rounds 30] [--json out.json]   # ~3 min
+    python benchmarks/bench_gil.py [--seconds 2] [--rounds 30] [--json out.json]   # ~3 min
 
 On a GPU an eager step is bound by the Python that launches its kernels, so whatever else
 holds this process's GIL slows it. Here a main thread stands in for that: steps of 2,000 tiny

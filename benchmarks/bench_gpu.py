@@ -5,8 +5,8 @@ Tokens/s and MFU count the time inside the trainer's timed blocks (data, forward
 update), as its log lines do; peak memory is the CUDA allocator's active peak (reserved memory,
 what nvidia-smi shows, is higher), or the process's peak RSS on a CPU.
 
-    python scripts/bench_gpu.py                          # GPT-2 124M, seq 1024, 16 x 2 per step
-    python scripts/bench_gpu.py --cases eager compiled torchrun fsdp --before ../kit-old
+    python benchmarks/bench_gpu.py                          # GPT-2 124M, seq 1024, 16 x 2 per step
+    python benchmarks/bench_gpu.py --cases eager compiled torchrun fsdp --before ../kit-old
 
 --cases: eager, compiled (--compile), torchrun (one rank under torchrun: NCCL), fsdp (the same
 with --fsdp); eager and compiled also run on random tokens. --before DIR runs every case with

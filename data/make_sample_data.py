@@ -14,7 +14,7 @@ one {"text": ..., "source": ...} object per line.
 Deterministic: same CPython version => same bytes. File lists are sorted, and a
 SHA-256 of each text (never the salted built-in hash()) orders the documents and
 picks the validation set. The committed data/sample/ came from CPython 3.11.7:
-    python scripts/make_sample_data.py --out data/sample
+    python data/make_sample_data.py --out data/sample
 """
 import argparse
 import ast

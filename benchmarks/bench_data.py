@@ -1,6 +1,6 @@
 """Benchmark data.py against its goals: tokenizing throughput (P1, P7) and resume cost (P2).
 
-    python scripts/bench_data.py [--quick] [--join N] [--json out.json]   # ~5 min on 2 cores
+    python benchmarks/bench_data.py [--quick] [--join N] [--json out.json]   # ~5 min on 2 cores
 
 P1  tokens/s of Files -> Tokenize(2 threads) -> EnsureBosEos -> ConcatChunk(1024) -> Shuffle(1000)
     -> Batch(8), as the kit runs it (built once, over the shard read endlessly; each round
