@@ -499,7 +499,7 @@ def next_token_targets(targets):
 def forward(model, batch, device):
     """The logits of a batch, the token ids they are scored against (every token, or with
     --task sft the ``labels``: prompt and padding -100), and the model's own loss term or None
-    (``aux_loss``, times the config's router_aux_loss_coef as transformers weighs it). Packed
+    (``aux_loss``, weighed as transformers weighs it: utils.aux_loss_weight). Packed
     samples bring ``position_ids`` that restart at each and attend within themselves."""
     # non_blocking: from pinned memory the copy overlaps with work the GPU still has queued.
     input_ids = batch["input_ids"].to(device, non_blocking=True)
@@ -509,7 +509,7 @@ def forward(model, batch, device):
     output = model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                    use_cache=False)
     aux = getattr(output, "aux_loss", None)
-    weight = getattr(getattr(utils.unwrap(model), "config", None), "router_aux_loss_coef", 1)
+    weight = utils.aux_loss_weight(model) if aux is not None else 1
     return output.logits, (batch["labels"].to(device, non_blocking=True) if "labels" in batch
                            else input_ids), None if aux is None else aux * weight
 

@@ -359,6 +359,9 @@ def open_run(args, parser, rank, world_size, script):
             Path(state["run_dir"]).exists():  # (a run moved away keeps its wandb run)
         LOGGER.info(f"{exp_dir} is a copy of {state['run_dir']}: a wandb run of its own")
         state["wandb_run_id"] = None  # (else `wandb sync` would merge the two curves)
+    if args.resume_from and state["wandb_run_id"]:  # wandb keeps the steps past it
+        LOGGER.info("--resume-from: a wandb run of its own, that metrics.jsonl fills")
+        state["wandb_run_id"] = None
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
@@ -533,8 +536,9 @@ def wandb_holds(run, exp_dir):
     if not run.offline:
         return max(run.starting_step - 1, 0)
     from wandb.proto.wandb_internal_pb2 import Record
-    segments = [s / f"run-{run.id}.wandb" for s in (exp_dir / "wandb").glob(
-        f"offline-run-*-{run.id}") if s != Path(run.dir).parent]
+    folders = [*(exp_dir / "wandb").glob(f"offline-run-*-{run.id}"),  # (-N: the same second's)
+               *(exp_dir / "wandb").glob(f"offline-run-*-{run.id}-[0-9]*")]
+    segments = [s / f"run-{run.id}.wandb" for s in folders if s != Path(run.dir).parent]
     return max((r.history.step.num for path in segments for r in wandb_records(path, Record)
                 if r.HasField("history")), default=0)
 
@@ -580,9 +584,6 @@ class MetricsLog:
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
-            if args.resume_from and state["wandb_run_id"]:  # wandb keeps what it holds past it
-                LOGGER.info("--resume-from: a wandb run of its own, that metrics.jsonl fills")
-                state["wandb_run_id"] = None
             # The run id is kept in state.json, so a resumed run continues the same curve.
             try:
                 run = start_wandb(vars(args), state["wandb_run_id"], exp_dir)
@@ -593,6 +594,7 @@ class MetricsLog:
             # metrics.jsonl; what it holds past the checkpoint is not sent twice (send).
             self.unsent = [r for _, r in metric_lines(self.path)
                            if r and self.held < r["step"] <= state["global_step"]]
+            self.send()  # (now: collectives still wait long, and no step is timed)
         atexit.register(self.flush)  # a run that dies (diverged, bad data) writes the rest
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0, mininterval=0.5)
@@ -1178,6 +1180,15 @@ def parameter_count(model):
         f", {trained / 1e6:.2f}M of them trained" if trained != total else "")
 
 
+def aux_loss_weight(model):
+    """What a model's own loss term (its output's aux_loss) is multiplied by: the weight that
+    transformers' MoE models keep on the model or its config (router_aux_loss_coef; JetMoE's
+    aux_loss_coef), else 1: they return the term unweighted and weigh it in their own loss."""
+    holders = (unwrap(model), getattr(unwrap(model), "config", None))
+    return next((getattr(h, name) for h in holders for name in ("router_aux_loss_coef",
+                 "aux_loss_coef") if getattr(h, name, None) is not None), 1)
+
+
 def check_model(model, tokenizer, args, trained=None):
     """What the tokenizer, --seq-length and the flags need of the model, checked before any
     training (``trained``: the tokenizer --init-from's run was trained with); a model of your
@@ -1195,6 +1206,11 @@ def check_model(model, tokenizer, args, trained=None):
     if vocab and len(tokenizer) > vocab:
         sys.exit(f"The tokenizer has {len(tokenizer)} tokens but the model only {vocab} "
                  "embeddings: pick a matching --model-name.")
+    if getattr(config, "output_router_logits", False) and args.task == "sft":
+        sys.exit("--task sft packs samples into sequences, and the load-balancing loss of "
+                 f"{type(model).__name__} (output_router_logits) does not take their attention "
+                 "mask. Set output_router_logits to false in the model's config for SFT, or "
+                 "train with --task pretrain.")
     positions = getattr(config, "max_position_embeddings", None)
     if positions and args.seq_length > positions:
         sys.exit(f"--seq-length {args.seq_length} is longer than the {positions} positions "

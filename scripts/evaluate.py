@@ -109,8 +109,9 @@ def record(ckpt, table, args):
 
 
 def to_wandb(run_dir, step, table):
-    """The scores into the run's own wandb run too, when it logs to one: as eval/TASK/METRIC
-    against eval/step (a run's history goes on past the checkpoint scored)."""
+    """The scores into the run's own wandb run too, when it logs to one: eval/TASK/METRIC and
+    eval/step in its summary (a row of its history would take the step number that the run's
+    next training step needs: wandb's steps only go up). eval.jsonl keeps every evaluation."""
     state = json.loads((run_dir / "state.json").read_text())
     flags = state.get("args", {})  # (runs of older versions record no flags: not logged)
     if not state.get("wandb_run_id") or flags.get("wandb", "disabled") == "disabled":
@@ -120,10 +121,9 @@ def to_wandb(run_dir, step, table):
     except OSError as e:  # no login, no network: eval.jsonl has the scores
         print(f"(not logged: {e})")
         return
-    run.define_metric("eval/*", step_metric="eval/step")
-    run.log({"eval/step": step, **{f"eval/{task}/{metric}": value
-                                   for task, metrics in table.items()
-                                   for metric, value in metrics.items()}})
+    run.summary.update({"eval/step": step, **{f"eval/{task}/{metric}": value
+                                              for task, metrics in table.items()
+                                              for metric, value in metrics.items()}})
     run.finish()
 
 

@@ -1,6 +1,7 @@
-"""The config fingerprint (train_llm.FINGERPRINT) on resume: a flag that shapes the run, changed
-or recorded otherwise in the checkpoint, is refused by name before anything changes; a flag the
-saved config lacks counts as its default; paths that name the same files go on."""
+"""The config fingerprint (the flags get_parser declares with fixed()) on resume: a flag that
+shapes the run, changed or recorded otherwise in the checkpoint, is refused by name before
+anything changes; a flag the saved config lacks counts as its default; paths that name the
+same files go on."""
 
 import json
 import shutil

@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -289,3 +290,21 @@ def test_a_killed_resumed_and_rewound_run_holds_every_step_once_in_wandb(tiny_mo
         assert wandb_history(exp, run_id) == [(m["step"], m["loss"]) for m in metrics(exp)], \
             rerun
     assert "--resume-from: a wandb run of its own" in result.stderr
+    result = train(args + ["--resume-from", "step-000010", "--wandb", "disabled"])
+    assert result.returncode == 0, result.stderr  # (its wandb run, when logged again, is new)
+    assert json.loads((exp / "state.json").read_text())["wandb_run_id"] is None
+
+
+@pytest.mark.slow
+def test_what_wandb_holds_counts_a_segment_that_started_in_the_same_second(tmp_path):
+    """wandb names the folder of a second start of a run in the same second ...-ID-1: the
+    steps in it count among those the run holds."""
+    code = ("import sys, wandb; r = wandb.init(project='p', id='abc', dir=sys.argv[1], "
+            "mode='offline'); [r.log({'loss': 1.0}, step=s) for s in (1, 2, 3)]; r.finish()")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=ENV, check=True,
+                   capture_output=True, timeout=120)
+    [first] = (tmp_path / "wandb").glob("offline-run-*-abc")
+    first.rename(first.with_name(first.name + "-1"))
+    run = types.SimpleNamespace(offline=True, id="abc",
+                                dir=str(tmp_path / "wandb/offline-run-20260101_000000-abc/files"))
+    assert utils.wandb_holds(run, tmp_path) == 3

@@ -6,13 +6,14 @@ import math
 import os
 import socket
 import time
+import types
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import train_llm
 import utils
@@ -276,3 +277,36 @@ def test_a_models_own_loss_term_joins_the_gradient_and_is_logged_apart():
     terms = [0.5 * fresh()(input_ids=h["input_ids"]).aux_loss.item() for h in halves]
     stats = train_llm.train_step(fresh(), halves, ctx, train_llm.sequence_losses)
     assert stats["aux_loss"].item() == pytest.approx(sum(terms) / 2, rel=1e-5)
+
+
+def test_a_models_own_loss_term_is_weighed_as_transformers_weighs_it():
+    """The weight comes from the model (DBRX keeps router_aux_loss_coef there) or its config
+    (Mixtral's router_aux_loss_coef, JetMoE's aux_loss_coef), else 1 (a model of one's own
+    returns its term weighed)."""
+    def model(on_model=None, **config):
+        module = torch.nn.Linear(1, 1)
+        module.config = types.SimpleNamespace(**config)
+        if on_model is not None:
+            module.router_aux_loss_coef = on_model
+        return module
+
+    assert utils.aux_loss_weight(model(router_aux_loss_coef=0.02)) == 0.02
+    assert utils.aux_loss_weight(model(aux_loss_coef=0.01)) == 0.01
+    assert utils.aux_loss_weight(model(0.05, moe_loss_weight=0.01)) == 0.05
+    assert utils.aux_loss_weight(model()) == 1
+
+
+def test_an_moe_that_balances_its_experts_is_refused_for_packed_sft_by_name():
+    """transformers' load-balancing loss does not take the attention mask of packed samples
+    (it fails on a shape deep in the forward): --task sft says so before training."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=8192, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True))
+    args = train_llm.parse_args(["-e", "x", "--task", "sft"])
+    tokenizer = utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer")
+    with pytest.raises(SystemExit) as stop:
+        utils.check_model(model, tokenizer, args)
+    assert "output_router_logits" in str(stop.value) and "--task pretrain" in str(stop.value)
+    utils.check_model(model, tokenizer, train_llm.parse_args(["-e", "x"]))  # pretraining: fine
