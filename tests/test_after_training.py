@@ -328,6 +328,7 @@ def test_generate_with_a_script_that_cannot_build_the_model_is_one_paragraph(fou
     refused(result, *words)
 
 
+@pytest.mark.slow
 def test_generate_with_weights_that_are_not_weights_says_so(four_steps):
     """--weights optimizer names a file of the run's that holds no model weights: said so,
     not "put back the create_model" (nothing is wrong with it); --weights of a state the run

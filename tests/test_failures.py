@@ -227,6 +227,7 @@ def test_a_signal_while_a_failed_rank_exits_ends_it_without_a_traceback():
     assert "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_a_signal_during_validation_ends_it_at_once_and_saves(tmp_path, tiny_model):
     """SIGTERM as step 3's validation starts (sent by the script itself, so it lands there):
     no more validation batches, no step 4; step 3 is saved and the run exits 0, to resume."""

@@ -217,6 +217,7 @@ def test_a_finished_run_without_its_checkpoints_is_not_started_again(four_steps,
     assert snapshot(exp) == before
 
 
+@pytest.mark.slow
 def test_a_start_from_scratch_moves_a_metrics_file_it_did_not_write_aside(tmp_path, tiny_model):
     """A metrics.jsonl in the directory before the run's first start (the user's, or an
     earlier run's whose checkpoints are gone): every line of it kept, in metrics.jsonl.1."""
@@ -244,6 +245,7 @@ def test_a_rollback_that_trains_nothing_changes_nothing(four_steps, tmp_path, ti
     assert snapshot(exp) == before
 
 
+@pytest.mark.slow
 def test_a_refused_start_in_a_users_directory_leaves_it_as_it_was(tmp_path, tiny_model):
     """A directory of the user's own (here with a state.json that is no run's) is refused, and
     the start leaves no train.log or .lock behind it: "nothing was changed" holds."""

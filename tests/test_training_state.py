@@ -96,6 +96,7 @@ def test_a_checkpoint_with_state_this_script_lacks_is_resumed_saying_so(project,
     assert "does not add to extra: ema.pt" in resumed.stderr, resumed.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_training_state_named_like_a_file_of_the_kit_is_refused_at_start(tiny_model, tmp_path):
     """extra["model"] would overwrite every checkpoint's model.pt with the EMA: refused
     before the first step, naming it."""
