@@ -194,9 +194,9 @@ def prompt_text(tokenizer, text, prompt_format=None):
     return text
 
 
-# What a run continues at each validation unless --sample-prompt says: a pretrained run's, a
-# fine-tuned one's (an instruction or chat prompt_format).
-SAMPLE_PROMPTS = ("The", "What does the function os.path.join do?")
+# What a run continues at each validation unless --sample-prompt says: a pretrained run's
+# text, a fine-tuned one's question (in its instruction or chat prompt_format).
+SAMPLE_TEXT, SAMPLE_QUESTION = "The", "What does the function os.path.join do?"
 
 
 @torch.no_grad()
@@ -205,8 +205,8 @@ def sample(model, tokenizer, args, ctx, prompt_format):
     same seed each time, so only the weights change it (generate's RNG is its own: training is
     not disturbed). Eager even under --compile: each new length would compile the model again.
     Under FSDP every forward is a collective: all ranks generate the full length."""
-    text = args.sample_prompt if args.sample_prompt is not None else SAMPLE_PROMPTS[
-        prompt_format is not None]
+    text = args.sample_prompt if args.sample_prompt is not None else (
+        SAMPLE_QUESTION if prompt_format else SAMPLE_TEXT)
     model.eval()
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):
         out = generate(utils.unwrap(model), tokenizer, text,

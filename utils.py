@@ -246,12 +246,28 @@ class Run:
     """A run directory as this start sees it: ``dir``; ``state``, the run state (step, tokens,
     the checkpoint to resume from, the config fingerprint, the script that trains it), which
     goes into state.json and every checkpoint; and ``created``, the files and directories this
-    start made (a start that fails before training removes them: cli)."""
+    start made (a start that fails before training removes them: cli). Rank 0 makes the
+    directory, locks it and logs to its train.log."""
 
-    def __init__(self, exp_dir, rank, created, lock_file):
-        self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, created, lock_file
+    def __init__(self, exp_dir, rank):
+        self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, [], None
         self.state, self.training, self.first_step = None, False, 0
         self.stepped = False  # this start has trained a step (signals then wait for its end)
+        if rank != 0:
+            return
+        self.created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
+                                    *exp_dir.parents) if not p.exists()]
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        # Locked for as long as this process lives (two runs there would overwrite each other);
+        # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
+        self.lock_file = open(exp_dir / ".lock", "w")
+        os.register_at_fork(after_in_child=self.lock_file.close)
+        try:
+            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"Another process is training in {exp_dir}: stop it first (see `fuser -v "
+                     f"{exp_dir / '.lock'}`), or pick another --experiment-name.")
+        log_to_file(exp_dir / "train.log", rank)
 
     def discard_after_checkpoint(self, args, ctx, loader, extra=()):
         """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
@@ -309,22 +325,7 @@ def open_run(args, parser, rank, world_size, script):
     logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
     exp_dir = Path(args.save_dir) / args.experiment_name
-    created, lock_file = [], None
-    if rank == 0:
-        created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
-                               *exp_dir.parents) if not p.exists()]
-        exp_dir.mkdir(parents=True, exist_ok=True)
-        # Locked for as long as this process lives (two runs there would overwrite each other);
-        # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
-        lock_file = open(exp_dir / ".lock", "w")
-        os.register_at_fork(after_in_child=lock_file.close)
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            sys.exit(f"Another process is training in {exp_dir}: stop it first (see `fuser -v "
-                     f"{exp_dir / '.lock'}`), or pick another --experiment-name.")
-        log_to_file(exp_dir / "train.log", rank)
-    RUN = run = Run(exp_dir, rank, created, lock_file)
+    RUN = run = Run(exp_dir, rank)  # (rank 0: the directory made, locked, logged to)
     for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
         signal.signal(signum, stop_at_once)
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags

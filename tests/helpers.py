@@ -257,6 +257,16 @@ def straight_and_killed(args, tmp_path, at=13):
 
 # -- What a run wrote -----------------------------------------------------------------------------
 
+def wandb_history(exp_dir, run_id):
+    """(step, loss) of every history record of a wandb offline run, all its segments (what
+    `wandb sync` uploads), read back from their transaction logs."""
+    from wandb.proto.wandb_internal_pb2 import Record
+    return sorted((r.history.step.num, json.loads(next(
+        i.value_json for i in r.history.item if (i.key or "/".join(i.nested_key)) == "loss")))
+        for path in (exp_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+        for r in utils.wandb_records(path, Record) if r.HasField("history"))
+
+
 def metrics(exp_dir):
     return [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
 

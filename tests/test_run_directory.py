@@ -24,6 +24,7 @@ from helpers import (
     start,
     train,
     train_args,
+    wandb_history,
 )
 
 import trained
@@ -258,16 +259,6 @@ def test_a_refused_start_in_a_users_directory_leaves_it_as_it_was(tmp_path, tiny
     refused(result, "unreadable", "Nothing was changed")
     assert snapshot(mine) == before
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "state.json"]
-
-
-def wandb_history(exp_dir, run_id):
-    """(step, loss) of every history record of a wandb offline run, all its segments (what
-    `wandb sync` uploads), read back from their transaction logs."""
-    from wandb.proto.wandb_internal_pb2 import Record
-    return sorted((r.history.step.num, json.loads(next(
-        i.value_json for i in r.history.item if (i.key or "/".join(i.nested_key)) == "loss")))
-        for path in (exp_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-        for r in utils.wandb_records(path, Record) if r.HasField("history"))
 
 
 @pytest.mark.slow
