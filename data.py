@@ -6,23 +6,11 @@ the same arguments that calls ``load_state_dict(s)`` yields exactly the items th
 would have yielded next. States are plain JSON. Sources resume by seeking, never by replaying.
 A pipeline of them: README.md, "Using data.py on its own"; train_llm.py's is build_pipeline.
 
-The file reads top to bottom in the order a sample meets the stages:
-
-    The stage protocol      Stage (state_dict, load_state_dict, reshard_state), the errors
-    Sources                 Files, Shards, their readers (byte ranges, Parquet row groups,
-                            JSON arrays, token files) and retries; HFDataset
-    Pretraining transforms  Tokenize, EnsureBosEos, ConcatChunk, Shuffle
-    Fine-tuning (SFT)       FormatInstructions, Pack, Pad
-    Batching, prefetching   collate, Batch, Prefetch
-    Mixing domains          OnlineMixer, learn_late, Mix
-    Resharding              reshard: the states of W ranks loaded into one of W' ranks
-    The trainer's wiring    source (which stage reads a --dataset), sft_format, find_domains,
-                            natural_sizes, validation_set, skipped_records, source_epoch
-    Other stages            Map, Filter
+The file reads top to bottom in the order a sample meets the stages; a banner opens each
+section, naming what it holds.
 """
 
 import array
-import codecs
 import collections
 import contextlib
 import copy
@@ -34,6 +22,7 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -55,9 +44,8 @@ import smart_open
 import torch
 
 log = logging.getLogger("data")
-# Tokenize runs the tokenizer in threads of its own, so the backend's thread pool (rayon) stays
-# off: set here, before any tokenizer is loaded or called, the pool never starts to fight ours
-# over the cores (docs/benchmarks.md, "Data pipeline").
+# Tokenize's threads run the tokenizer: the backend's own pool stays off, set before any
+# tokenizer is loaded or called (DESIGN.md section 6).
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
@@ -67,10 +55,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 class Stage:
     """What every stage shares: iteration, close(), the state of a stage without state of its
-    own, and the ``config`` check: a state saved under other arguments is refused (a different
-    stream resumed silently is the worst bug: nobody notices). A stage with state overrides
-    ``state_dict`` (``_state(**fields)``), ``load_state_dict`` (``_load`` first) and
-    ``reshard_state(olds, ctx)`` side by side (DESIGN.md section 2)."""
+    own, and the ``config`` check: a state saved under other arguments is refused. How a stage
+    with state of its own overrides it: DESIGN.md section 2, rules 5-7."""
 
     src = None
     config = {}
@@ -86,8 +72,7 @@ class Stage:
 
     def reshard_state(self, olds, ctx):
         """This rank's state, merged from ``olds`` (this stage's states of an earlier run's ranks,
-        in rank order; ``ctx``: reshard's Resharding). The default passes through a stage
-        without state of its own, and refuses any other until it says how to split its state."""
+        in rank order; ``ctx``: reshard's Resharding). The default: a stage without state."""
         if self.src is None or {key for old in olds for key in old} - {"config", "upstream"}:
             raise ValueError(f"reshard: the state of {type(self).__name__} cannot be split "
                              "across ranks")
@@ -107,9 +92,8 @@ class Stage:
                     "Resume with the arguments of the run that saved it.")
 
     def _state(self, **fields):
-        """The config, the stage's own ``fields``, then the upstream state. A stage that works
-        ahead passes ``upstream=`` itself: the state that belongs to its last item handed out.
-        (The key order is the order in the JSON files: keep it.)"""
+        """The config, the stage's own ``fields``, then the upstream state (``upstream=``: that
+        of a stage's last item handed out, when it works ahead). DESIGN.md section 2, rule 6."""
         state = {"config": self.config, **fields}
         if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
@@ -212,16 +196,10 @@ class SplitError(ValueError):
         self.n_splits = n_splits
 
 
-def _cuts(units, n):
-    """``n`` contiguous ranges of about equal size that cover ``range(units)``."""
-    return [(units * j // n, units * (j + 1) // n) for j in range(n)]
-
-
 class Shards:
     """What the shards of a Files are: their kind, how to open them (smart_open), how they are
-    cut into input splits (a whole shard, or a range of one that owns the records *starting*
-    in it: DESIGN.md section 4), and how a split becomes records. Its caches are derived from
-    the files and never saved; Files keeps the books of reading them."""
+    cut into input splits (DESIGN.md section 4), and how a split becomes records. Its caches
+    are derived from the files and never saved; Files keeps the books of reading them."""
 
     def __init__(self, urls, *, format=None, transport_params=None, retry=None,
                  required_fields=(), tokenizer=None):
@@ -238,8 +216,9 @@ class Shards:
         if plan is None:
             splits = [(url, 0, None) for url in self.urls]
         else:
-            splits = [(url, *piece) for url, (units, n) in zip(self.urls, plan)
-                      for piece in (_cuts(units, n) if units is not None else [(0, None)])]
+            splits = [(url, units * j // n, units * (j + 1) // n) if units is not None
+                      else (url, 0, None) for url, (units, n) in zip(self.urls, plan)
+                      for j in range(n)]  # (n contiguous ranges; a shard without units: 1)
         if len(splits) < n_slots:
             raise self.too_few_splits(len(splits), n_slots, world_size)
         return plan, splits
@@ -266,11 +245,8 @@ class Shards:
         self._arrays = {url: records for url, records in self._arrays.items() if url in urls}
 
     def plan(self, n_slots):
-        """How the shards are cut: None (each shard is one split), or [units, splits] per shard.
-        Every slot needs a split of its own in every epoch: with fewer shards than slots, they
-        are measured and cut into exactly n_slots splits of about equal size (DESIGN.md section
-        4). Units: bytes (JSON Lines), row groups (Parquet), records (JSON array), ids (token
-        files); a compressed JSON Lines shard cannot seek, so it is one split (units None)."""
+        """How the shards are cut: None (each shard is one split), or [units, splits] per shard:
+        with fewer shards than slots, into n_slots splits of about equal size (DESIGN.md 4)."""
         if len(self.urls) >= n_slots:
             return None
         sizes, units, caps = zip(*(self.measure(url) for url in self.urls))
@@ -412,12 +388,10 @@ class Shards:
 
 
 class Files(Stage):
-    """Shards (JSON Lines, JSON arrays, text, Parquet, token ids: DESIGN.md section 10) read by a
-    round-robin over ``n_active_shards`` *slots*, each reading its own input splits, epoch after
-    epoch; rank r of W reads only slots s = r (mod W) (DESIGN.md section 4). A slot's state
-    says where its next record starts, and what it read last (checked when it reopens). A
-    record failing ``required_fields`` or ``check`` is a bad record, named with shard and line
-    (``skip_bad_records`` skips it). Shards knows the files, _Retry retries network faults."""
+    """Shards (DESIGN.md section 10) read by a round-robin over ``n_active_shards`` *slots*,
+    each reading its own input splits, epoch after epoch; rank r of W reads only slots s = r
+    (mod W) (DESIGN.md section 4). A record failing ``required_fields`` or ``check`` is a bad
+    record, named with shard and line (``skip_bad_records`` skips it)."""
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
@@ -702,7 +676,7 @@ _JSON = json.JSONDecoder()
 def _json_line(line):
     """json.loads(line), without its detection of the encoding at every call (3 µs of about 9
     per short line, with the GIL held). A line with a BOM (or UTF-16/32) still takes loads."""
-    if line.startswith(codecs.BOM_UTF8) or b"\0" in line[:4]:
+    if line.startswith(b"\xef\xbb\xbf") or b"\0" in line[:4]:
         return json.loads(line)
     return _JSON.decode(line.decode("utf-8", "surrogatepass"))
 
@@ -1243,10 +1217,8 @@ def _crcs(crcs, start=0):
 
 class Tokenize(Stage):
     """Adds ``input_ids`` by tokenizing ``sample[column]`` on a thread pool, up to ``2 *
-    num_threads`` batches ahead; records that hold ``input_ids`` (a token file's) pass as they
-    are. The state is the upstream state before the first document not wholly handed out, and
-    how many of its pieces were (DESIGN.md section 2). A fast tokenizer's ``encode_batch_fast``
-    releases the GIL, so the threads use several cores."""
+    num_threads`` batches ahead (a token file's records pass as they are). The state: DESIGN.md
+    section 2, rule 1; the threads: section 6."""
 
     # Not in the config: where a batch ends does not change the stream (a skip carries on into
     # the next batch), so states saved with other batches still resume exactly.
@@ -1320,9 +1292,8 @@ class Tokenize(Stage):
                 start, chars = i, 0
         for sample, sample_ids in zip(texts, ids):
             sample["input_ids"] = sample_ids
-        # The thread frees the id lists it made itself, once their batch has been handed out:
-        # a block freed by another thread takes the lock of the malloc arena it came from,
-        # which the tokenizer takes all the time (glibc; DESIGN.md section 6).
+        # The thread frees the id lists it made, once their batch is handed out: a malloc
+        # arena's lock, which the tokenizer takes all the time (DESIGN.md section 6).
         made = self._per_thread.__dict__.setdefault("batches", collections.deque())
         made.append((seq, ids))
         while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
@@ -1595,9 +1566,8 @@ def instruction_prompt(instruction, input="", preamble=PREAMBLE):
 class FormatInstructions(Stage):
     """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only: an
     ``instruction``/``input``/``output`` record laid out as instruction_prompt, a ``messages``
-    one through the tokenizer's chat template (DESIGN.md section 8). The prompt's labels are
-    ``label_pad_id`` (-100: the model learns to answer, not to ask); BOS and EOS keep packed
-    samples apart (a chat template places its own)."""
+    one through the tokenizer's chat template; the prompt's labels are ``label_pad_id``
+    (-100: the model learns to answer, not to ask). DESIGN.md section 8."""
 
     def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
         self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
@@ -1682,10 +1652,8 @@ def _padded(ids, labels, length, pad_id, label_pad_id):
 
 class Pack(Stage):
     """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
-    A sample that does not fit starts the next sequence (it waits in the state); an over-long
-    one is truncated, or dropped and counted (``discard_long``). ``position_ids`` restart at 0
-    for each sample, and its first label is ``label_pad_id``: no sample learns the next one's
-    start (DESIGN.md section 8)."""
+    An over-long sample is truncated, or dropped and counted (``discard_long``); position ids
+    restart at each sample, whose first label is ``label_pad_id`` (DESIGN.md section 8)."""
 
     def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
         self.src, self.length, self.pad_id = src, length, pad_id
@@ -1816,9 +1784,10 @@ class Batch(Stage):
 
 class Prefetch(Stage):
     """Runs the upstream pipeline ``depth`` items ahead in a child process forked at the first
-    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, tensors as NumPy
-    arrays (``pin_memory``: pinned on arrival), with the count of bad records skipped so far
-    (``skipped``); the child keeps the state after each until asked (state_dict). ``follow``:
+    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, their tensors
+    written into shared memory (a slot per item in flight; copied out, ``pin_memory``: into
+    pinned memory), with the count of bad records skipped so far (``skipped``); the child
+    keeps the state after each until asked (state_dict). ``follow``:
     the OnlineMixer that learns here (learn_late): every ``every`` items the child takes its
     state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close().
     ``until`` (an Event) ends a wait for an item that hangs (``interrupted``: DESIGN.md 6)."""
@@ -1828,15 +1797,19 @@ class Prefetch(Stage):
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
+        self._credited = 0  # items taken whose credit went back to the child
 
     def _start(self):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
+            # Anonymous and shared with the child: gone with both processes, nothing to clean.
+            self._slots = mmap.mmap(-1, self.depth * SLOT_BYTES)  # (pages only once written)
             sys.stdout.flush(), sys.stderr.flush()  # (or the child would write them again)
             parent, self._pid = os.getpid(), os.fork()
             if self._pid == 0:
                 self._conn.close()
-                _serve(theirs, self.src, self.depth, self.every if self.follow else 0, parent)
+                _serve(theirs, self.src, self.depth, self.every if self.follow else 0, parent,
+                       self._slots)
             theirs.close()
             self._stop = weakref.finalize(self, _stop, self._conn, self._pid)  # (or at exit)
             self._ask(("more", self.depth))
@@ -1878,13 +1851,21 @@ class Prefetch(Stage):
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
-        self._ask(("more", 1))
+        if isinstance(item, dict):  # (copied out of its slot before the child may reuse it)
+            item = {k: self._tensor(v) if isinstance(v, (Shared, np.ndarray)) else v
+                    for k, v in item.items()}
         self._taken += 1
-        if not isinstance(item, dict):
-            return item
-        pin = torch.Tensor.pin_memory if self.pin_memory else lambda tensor: tensor
-        return {k: pin(torch.from_numpy(v)) if isinstance(v, np.ndarray) else v
-                for k, v in item.items()}
+        if self._taken % self.every == 0 or self.depth <= self.every:  # one wake-up a step
+            self._ask(("more", self._taken - self._credited))
+            self._credited = self._taken
+        return item
+
+    def _tensor(self, array):
+        """A tensor of its own (pinned with ``pin_memory``): one copy out of the shared slot."""
+        if isinstance(array, Shared):  # (the slot is the child's again once copied)
+            array = np.ndarray(array.shape, array.dtype, buffer=self._slots, offset=array.offset)
+            array = array if self.pin_memory else array.copy()
+        return torch.from_numpy(array).pin_memory() if self.pin_memory else torch.from_numpy(array)
 
     def _item(self):
         """The child's next item, or StopIteration once ``until`` is set and it is late."""
@@ -1921,7 +1902,27 @@ def _stop(conn, pid):
         os.waitpid(pid, 0)
 
 
-def _serve(conn, src, depth, every, parent):
+SLOT_BYTES = 1 << 26  # an item's tensors up to this size cross in shared memory, not the pipe
+
+
+Shared = collections.namedtuple("Shared", "offset shape dtype")  # an array in Prefetch's slots
+
+
+def _share(item, slots, slot):
+    """``item``'s tensors written into ``slot`` of the shared ``slots`` (as Shared), or as
+    NumPy arrays to pickle where they do not fit."""
+    offset, end, out = slot * SLOT_BYTES, (slot + 1) * SLOT_BYTES, {}
+    for key, value in item.items():
+        if isinstance(value, torch.Tensor):
+            value, size = value.numpy(), -(-value.nbytes // 64) * 64  # (aligned for the next)
+            if offset + size <= end:
+                np.ndarray(value.shape, value.dtype, buffer=slots, offset=offset)[...] = value
+                value, offset = Shared(offset, value.shape, value.dtype.str), offset + size
+        out[key] = value
+    return out
+
+
+def _serve(conn, src, depth, every, parent, slots):
     """Prefetch's child: hands out an item per credit ("more"), keeping the state after each
     a while ("state"), and loads the mixer's state when told to ("mixer"). Never returns."""
     try:
@@ -1970,9 +1971,8 @@ def _serve(conn, src, depth, every, parent):
             if not ended:
                 states[made] = src.state_dict()
                 states.pop(made - depth - 2, None)
-                if isinstance(item, dict):
-                    item = {k: v.numpy() if isinstance(v, torch.Tensor) else v
-                            for k, v in item.items()}
+                if isinstance(item, dict):  # (credits: the slot's last item was taken)
+                    item = _share(item, slots, made % depth)
             conn.send(("item", item, skipped_records(states.get(made - ended)), error))
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone

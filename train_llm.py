@@ -340,9 +340,9 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
     else:
         pipe = sequences(urls, tokenizer, args, rank, world_size, train)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
-    # A step's micro-batches made ahead in a process of its own, off the training thread's GIL,
-    # and pinned (copies to the GPU do not wait).
-    return data.Prefetch(pipe, depth=args.grad_accum + 1, pin_memory=pin_memory, follow=mixer,
+    # Two steps' micro-batches made ahead in a process of its own, off the training thread's
+    # GIL, and pinned (copies to the GPU do not wait).
+    return data.Prefetch(pipe, depth=2 * args.grad_accum + 1, pin_memory=pin_memory, follow=mixer,
                          every=args.grad_accum) if train else pipe
 
 

@@ -65,7 +65,7 @@ def random_batches_main(kit, argv):
         if not train:
             return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
         source = RandomBatches(args.batch_size, args.seq_length, len(tokenizer))
-        return data.Prefetch(source, depth=args.grad_accum + 1,
+        return data.Prefetch(source, depth=2 * args.grad_accum + 1, every=args.grad_accum,
                              pin_memory=kwargs.get("pin_memory", False))
 
     train_llm.build_pipeline = build_pipeline

@@ -206,7 +206,8 @@ def run(kit_model, bare_models, steps, flags, out):
         items = batches(args, len(tokenizer), 64)
         device = torch_device(args)
         bare = [BareLoop(kind, args, device, items, shipped) for kind in bare_models]
-        loaders.append(Interleaved(data.Prefetch(Premade(items), depth=args.grad_accum + 1,
+        loaders.append(Interleaved(data.Prefetch(Premade(items), depth=2 * args.grad_accum + 1,
+                                                 every=args.grad_accum,
                                                  pin_memory=kwargs.get("pin_memory", False)),
                                    bare, args.grad_accum, device.type == "cuda"))
         return loaders[-1]

@@ -291,6 +291,23 @@ def test_batch_stacks_tensors_lists_other_fields_and_refuses_ragged_ones():
 
 # -- Prefetch --------------------------------------------------------------------------------------
 
+def test_prefetch_hands_over_every_batch_intact_while_its_process_runs_ahead():
+    """The child writes the next batches into shared memory while this process copies out the
+    last: never into a slot not yet copied (depth 1: one slot, reused at every item). Big
+    tensors cross by the pipe, and the copies are this process's own."""
+    batches = [{"input_ids": torch.full((16, 1024), i), "mask": torch.arange(i + 1) % 2 == 0,
+                "big": torch.full((1,), i).expand(1 << 24).clone() if i in (5, 6) else i,
+                "name": str(i)} for i in range(300)]
+    for depth, every in ((1, 1), (3, 2), (5, 2)):
+        out = list(Prefetch(Sequence(batches), depth, every=every))
+        assert [b["name"] for b in out] == [str(i) for i in range(300)]
+        for i, (got, want) in enumerate(zip(out, batches)):
+            assert all(torch.equal(got[k], want[k]) if isinstance(got[k], torch.Tensor)
+                       else got[k] == want[k] for k in want), (depth, i)
+        out[0]["input_ids"] += 1  # (a batch handed out is no view of the slot)
+        assert torch.equal(out[1]["input_ids"], batches[1]["input_ids"])
+
+
 def test_prefetch_same_items_and_errors():
     assert list(Prefetch(Sequence(range(20)), 3)) == list(range(20))
 
