@@ -48,7 +48,7 @@ DEFAULT_TOKENIZER = f"{KIT}/assets/tokenizer"
 LOCAL_PATHS = ("dataset", "val_dataset", "tokenizer", "model_name", "init_from")
 
 
-def main():
+def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (benchmarks/)
     args = parse_args()
     # torchrun sets these; a plain `python train_llm.py` is rank 0 of 1.
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -75,9 +75,9 @@ def main():
     extra = {}
 
     domains, weights, mixer = mixture(args, state)  # ([], None, None) without --mix/--odm
-    train_loader = build_pipeline(args.dataset, tokenizer, args, rank, world_size, train=True,
-                                  weights=weights, mixer=mixer,
-                                  pin_memory=ctx.device.type == "cuda")
+    train_loader = (build_loader or build_pipeline)(
+        args.dataset, tokenizer, args, rank, world_size, train=True, weights=weights,
+        mixer=mixer, pin_memory=ctx.device.type == "cuda")
     val_batches = validation_batches(args, tokenizer, domains, rank)
 
     if state["checkpoint"]:  # resume: everything that evolves in training comes back

@@ -9,10 +9,11 @@ what nvidia-smi shows, is higher), or the process's peak RSS on a CPU.
     python benchmarks/bench_gpu.py --cases eager compiled torchrun fsdp --before ../kit-old
 
 --cases: eager, compiled (--compile), torchrun (one rank under torchrun: NCCL), fsdp (the same
-with --fsdp); eager and compiled also run on random tokens. --before DIR runs every case with
-the kit checked out in DIR too (a `git worktree` of an older commit), for a before/after table
-from one run. With eager and compiled both run, their losses over the first 20 steps are
-compared (the same data and weights: they differ only by bf16 rounding).
+with --fsdp); eager and compiled also run on random tokens (benchmarks/premade.py). --before
+DIR runs every case with the kit checked out in DIR too (a `git worktree` of an older commit
+whose main() takes build_loader), for a before/after table from one run. With eager and
+compiled both run, their losses over the first 20 steps are compared (the same data and
+weights: they differ only by bf16 rounding).
 
 Each case is a fresh train_llm.py process (its own peak memory) on the shipped sample corpus
 and tokenizer, so it runs offline. The first --log-freq steps (compilation, warm-up) are
@@ -33,44 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_batches_main(kit, argv):
-    """train_llm.main() of the kit in ``kit`` with the training pipeline replaced by random
-    token ids (pinned and prefetched in a thread like the real one), so that only the data
-    differs."""
+    """train_llm.main() of the kit in ``kit`` with random token ids (benchmarks/premade.py,
+    behind the kit's own Prefetch) in place of its pipeline, so that only the data differs."""
     sys.path.insert(0, kit)
-    import torch
+    import premade
 
-    import data
     import train_llm
 
-    class RandomBatches(data.Stage):
-        def __init__(self, batch_size, seq_length, vocab):
-            self.shape, self.vocab = (batch_size, seq_length), vocab
-            self.generator = torch.Generator().manual_seed(0)
-
-        def __next__(self):
-            return {"input_ids": torch.randint(self.vocab, self.shape, generator=self.generator)}
-
-        def state_dict(self):
-            return {"epoch": 0}  # what the trainer reads of a source's state
-
-        def load_state_dict(self, state):
-            pass
-
-        def close(self):
-            pass
-
-    real = train_llm.build_pipeline
-
-    def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, **kwargs):
-        if not train:
-            return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
-        source = RandomBatches(args.batch_size, args.seq_length, len(tokenizer))
-        return data.Prefetch(source, depth=2 * args.grad_accum + 1, every=args.grad_accum,
-                             pin_memory=kwargs.get("pin_memory", False))
-
-    train_llm.build_pipeline = build_pipeline
     sys.argv = ["train_llm.py", *argv]
-    train_llm.main()
+    train_llm.main(build_loader=premade.build_loader)
 
 
 CASES = {  # name: (under torchrun, train_llm.py flags, also on random tokens)

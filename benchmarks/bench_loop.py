@@ -89,14 +89,6 @@ def plain_gpt(config):
     return GPT()
 
 
-def batches(args, vocab, count):
-    """``count`` batches of seeded random token ids, made before any step."""
-    import torch
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(vocab, (args.batch_size, args.seq_length), generator=generator)
-            for _ in range(count)]
-
-
 class BareLoop:
     """The bare loop: its own copy of a model and optimizer, one step per call on the same
     batches as the kit's."""
@@ -165,59 +157,32 @@ class Interleaved:
         return getattr(self.inner, name)
 
 
-class Premade:
-    """The pre-made batches as a pipeline stage: what the trainer reads of a loader."""
-
-    src = None  # (a source: nothing upstream)
-
-    def __init__(self, items):
-        self.items, self.n = items, 0
-
-    def __next__(self):
-        ids = self.items[self.n % len(self.items)]
-        self.n += 1
-        return {"input_ids": ids}
-
-    def state_dict(self):
-        return {"epoch": 0, "n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-    def close(self):
-        pass
-
-
 def run(kit_model, bare_models, steps, flags, out):
     """train_llm.main() with ``kit_model`` on the pre-made batches, a step of each bare loop
     before each of its steps; every loop's step times to ``out``."""
     sys.path.insert(0, str(ROOT))
-    import data
+    import premade
+
     import train_llm
 
-    loaders, real, shipped = [], train_llm.build_pipeline, train_llm.create_model
+    loaders, shipped = [], train_llm.create_model
     if kit_model == "plain":
         train_llm.create_model = lambda args: plain_gpt(
             __import__("transformers").AutoConfig.from_pretrained(args.model_name))
 
-    def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, **kwargs):
-        if not train:
-            return real(urls, tokenizer, args, rank, world_size, train=train, **kwargs)
-        items = batches(args, len(tokenizer), 64)
+    def build_loader(urls, tokenizer, args, rank, world_size, *, train, pin_memory, **kwargs):
+        items = premade.random_batches(args, len(tokenizer))
         device = torch_device(args)
         bare = [BareLoop(kind, args, device, items, shipped) for kind in bare_models]
-        loaders.append(Interleaved(data.Prefetch(Premade(items), depth=2 * args.grad_accum + 1,
-                                                 every=args.grad_accum,
-                                                 pin_memory=kwargs.get("pin_memory", False)),
-                                   bare, args.grad_accum, device.type == "cuda"))
+        loaders.append(Interleaved(premade.loader(items, args, pin_memory), bare,
+                                   args.grad_accum, device.type == "cuda"))
         return loaders[-1]
 
-    train_llm.build_pipeline = build_pipeline
     with tempfile.TemporaryDirectory() as tmp:
         sys.argv = ["train_llm.py", "-e", "bench", "--save-dir", tmp, "--max-steps", str(steps),
                     "--val-freq", str(10**9), "--ckpt-freq", str(10**9), "--val-batches", "1",
                     *flags]
-        train_llm.main()
+        train_llm.main(build_loader=build_loader)
     loader = loaders[0]
     times = {f"kit/{kit_model}": loader.times}
     times |= {f"bare/{kind}": loop.times[:len(loader.times)]

@@ -142,18 +142,15 @@ class Counted:
 
 def main():
     mode = HostWaits()
-    build_pipeline = train_llm.build_pipeline
 
-    def counted(*args, **kwargs):
-        loader = build_pipeline(*args, **kwargs)
-        return Counted(loader, mode) if kwargs.get("train") else loader
-    train_llm.build_pipeline = counted
+    def counted(*args, **kwargs):  # the training loader, as main() builds it, counted
+        return Counted(train_llm.build_pipeline(*args, **kwargs), mode)
     sys.argv = sys.argv[1:]
     grad_accum = int(next(a.split("=")[1] for a in sys.argv if a.startswith("--grad-accum=")))
     mode.grad_accum = grad_accum
     try:
         with mode:
-            train_llm.main()
+            train_llm.main(build_loader=counted)
     finally:
         out = os.environ["HOST_WAITS_OUT"] + os.environ.get("RANK", "")
         Path(out).write_text(json.dumps({"grad_accum": grad_accum, "events": mode.events}))
