@@ -968,10 +968,8 @@ def _lines_before(slot, open_shard, required_fields):
 
 # Seconds to connect, and to wait for each read, on every source (_one_owner): a fault then.
 HTTP_TIMEOUT = (10, 60)
-# Seconds that faults in a row are retried at most, whatever fills them (backoff, reads that
-# time out): a silent server fails in about this time, not in retries x the read timeout.
+# Seconds that faults in a row are retried at most (backoff and reads that time out alike).
 RETRY_TIME = 240
-
 
 
 def _one_owner(url):
@@ -1784,13 +1782,12 @@ class Batch(Stage):
 
 class Prefetch(Stage):
     """Runs the upstream pipeline ``depth`` items ahead in a child process forked at the first
-    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, their tensors
-    written into shared memory (a slot per item in flight; copied out, ``pin_memory``: into
-    pinned memory), with the count of bad records skipped so far (``skipped``); the child
-    keeps the state after each until asked (state_dict). ``follow``:
-    the OnlineMixer that learns here (learn_late): every ``every`` items the child takes its
-    state before drawing on. The child dies with this process (PR_SET_PDEATHSIG) and close().
-    ``until`` (an Event) ends a wait for an item that hangs (``interrupted``: DESIGN.md 6)."""
+    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, their tensors in
+    shared memory (copied out by next(); ``pin_memory``: into pinned memory), with the count of
+    bad records skipped so far (``skipped``); the child keeps the state after each until asked.
+    ``follow``: the OnlineMixer that learns here (learn_late): every ``every`` items (a step)
+    the child takes its state before drawing on, and gets the step's credits. It dies with
+    this process and close(). ``until`` (an Event) ends a wait for an item that hangs."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
@@ -1803,7 +1800,8 @@ class Prefetch(Stage):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
             # Anonymous and shared with the child: gone with both processes, nothing to clean.
-            self._slots = mmap.mmap(-1, self.depth * SLOT_BYTES)  # (pages only once written)
+            size = min(SLOT_BYTES, SHARED_BYTES // self.depth) // 64 * 64  # (a slot's bytes)
+            self._slots = mmap.mmap(-1, self.depth * size, flags=mmap.MAP_SHARED | NORESERVE)
             sys.stdout.flush(), sys.stderr.flush()  # (or the child would write them again)
             parent, self._pid = os.getpid(), os.fork()
             if self._pid == 0:
@@ -1895,23 +1893,28 @@ class Prefetch(Stage):
 
 
 def _stop(conn, pid):
-    """Ends Prefetch's child, which leaves nothing to clean up (no shared memory, no files)."""
+    """Ends Prefetch's child: nothing is left to clean up (no named shared memory, no files)."""
     conn.close()
     with contextlib.suppress(ChildProcessError, ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
 
 
-SLOT_BYTES = 1 << 26  # an item's tensors up to this size cross in shared memory, not the pipe
+# An item's tensors up to a slot's size cross in shared memory, not the pipe; at most this much
+# in all (more items in flight: smaller slots). Linux's MAP_NORESERVE (mmap's from Python 3.13):
+# no memory is set aside for the slots until their pages are written.
+SLOT_BYTES, SHARED_BYTES = 1 << 26, 1 << 28
+NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 Shared = collections.namedtuple("Shared", "offset shape dtype")  # an array in Prefetch's slots
 
 
-def _share(item, slots, slot):
+def _share(item, slots, slot, depth):
     """``item``'s tensors written into ``slot`` of the shared ``slots`` (as Shared), or as
     NumPy arrays to pickle where they do not fit."""
-    offset, end, out = slot * SLOT_BYTES, (slot + 1) * SLOT_BYTES, {}
+    size = len(slots) // depth
+    offset, end, out = slot * size, (slot + 1) * size, {}
     for key, value in item.items():
         if isinstance(value, torch.Tensor):
             value, size = value.numpy(), -(-value.nbytes // 64) * 64  # (aligned for the next)
@@ -1972,7 +1975,7 @@ def _serve(conn, src, depth, every, parent, slots):
                 states[made] = src.state_dict()
                 states.pop(made - depth - 2, None)
                 if isinstance(item, dict):  # (credits: the slot's last item was taken)
-                    item = _share(item, slots, made % depth)
+                    item = _share(item, slots, made % depth, depth)
             conn.send(("item", item, skipped_records(states.get(made - ended)), error))
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
@@ -2133,9 +2136,7 @@ def first_read(pipeline):
 def reshard(pipeline, states):
     """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states
     that the W ranks of an earlier run saved, in rank order: every document is trained on
-    exactly once, only the order changes (DESIGN.md section 4). Each stage merges its own
-    fields and asks its upstream in turn (Stage.reshard_state, Resharding.merge); one that
-    cannot (state of its own, no reshard_state) is refused. Returns counts for the log."""
+    exactly once, only the order changes (DESIGN.md section 4). Returns counts for the log."""
     *_, files = _stages(pipeline)  # (through a Mix: its first domain's source)
     if not isinstance(files, Files):
         raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
@@ -2180,8 +2181,7 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
     """The documents of a --dataset: shards (paths, globs, {a,b} patterns, directories, URLs)
     go to Files over ``slots`` slots, a save_to_disk directory or a Hub name (NAME:SPLIT) to
     HFDataset (DESIGN.md section 10). Training reads endlessly (or ``epochs`` passes) in a
-    seeded order; otherwise once, in order. Data that cannot be cut into ``slots`` splits is
-    refused for training, read in fewer slots otherwise."""
+    seeded order; otherwise once, in order."""
     required = [] if sft else ["text"]
     local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
     name, split = spec, ""

@@ -294,7 +294,7 @@ def process_state(pid):
 
 def test_a_killed_run_leaves_no_process_and_no_shared_memory(tmp_path, tiny_model):
     """kill -9 of the trainer mid-run: the data process (Prefetch's) dies with it, and nothing
-    is left in /dev/shm or the temp directory: batches cross a pipe, not shared memory."""
+    is left in /dev/shm or the temp directory (the batches' shared memory is anonymous)."""
     def leftovers():
         return {*glob.glob("/dev/shm/*"), *glob.glob(f"{tempfile.gettempdir()}/pymp-*")}
 
