@@ -1,7 +1,7 @@
 """Everything the kit promises on a GPU, checked and measured in one command: one table, and the
 same rows as JSON.
 
-    python scripts/gpu_check.py                        # a GPU machine: about 8 minutes (an H100)
+    python scripts/gpu_check.py                        # a GPU machine: about 5 minutes (an H200)
     python scripts/gpu_check.py --out $OUT/gpu.json --parts speed   # the speed rows alone
     python scripts/gpu_check.py --smoke                # the same code paths on the CPU, tiny
 
