@@ -293,11 +293,12 @@ def test_batch_stacks_tensors_lists_other_fields_and_refuses_ragged_ones():
 
 def test_prefetch_hands_over_every_batch_intact_while_its_process_runs_ahead():
     """The child writes the next batches into shared memory while this process copies out the
-    last: never into a slot not yet copied (depth 1: one slot, reused at every item). Big
-    tensors cross by the pipe, and the copies are this process's own. Many items in flight
-    (--grad-accum 200) share the slots' memory: the kernel is not asked for 401 x 64 MiB."""
+    last: never into a slot not yet copied (depth 1: one slot, reused at every item). Many
+    items in flight (--grad-accum 200) share the slots' memory: the kernel is not asked for
+    401 x 64 MiB, and a tensor too big for a slot then crosses by the pipe. The copies are
+    this process's own."""
     batches = [{"input_ids": torch.full((16, 1024), i), "mask": torch.arange(i + 1) % 2 == 0,
-                "big": torch.full((1,), i).expand(1 << 24).clone() if i in (5, 6) else i,
+                "big": torch.full((1 << 17,), i) if i in (5, 6) else i,  # (1 MiB)
                 "name": str(i)} for i in range(300)]
     for depth, every in ((1, 1), (3, 2), (5, 2), (401, 200)):
         out = list(Prefetch(Sequence(batches), depth, every=every))
