@@ -60,7 +60,16 @@ def test_an_ema_of_the_weights_resumes_exactly_after_a_kill(project, tiny_model,
     model = utils.load(tmp_path / "straight/checkpoints/step-000008/model.pt", "cpu")
     assert int(ema["n_averaged"]) == 8
     assert not all(torch.equal(ema[f"module.{k}"], v) for k, v in model.items())
-    # generate.py and export_hf.py read the EMA's weights with --weights ema.
+
+
+@pytest.mark.slow
+def test_generate_and_export_read_the_ema_weights(project, tiny_model, tmp_path):
+    """generate.py and export_hf.py read the EMA's weights with --weights ema."""
+    straight = run(project, args_for(tmp_path, tiny_model, "straight", max_steps=2))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    ema = utils.load(tmp_path / "straight/checkpoints/step-000002/ema.pt", "cpu")
+    model = utils.load(tmp_path / "straight/checkpoints/step-000002/model.pt", "cpu")
+    assert not all(torch.equal(ema[f"module.{k}"], v) for k, v in model.items())
     sys.path.insert(0, str(ROOT / "scripts"))
     import project
     loaded = project.load_trained(project.trained, tmp_path / "straight", weights="ema")[0]
