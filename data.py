@@ -1785,9 +1785,9 @@ class Prefetch(Stage):
     next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, their tensors in
     shared memory (copied out by next(); ``pin_memory``: into pinned memory), with the count of
     bad records skipped so far (``skipped``); the child keeps the state after each until asked.
-    ``follow``: the OnlineMixer that learns here (learn_late): every ``every`` items (a step)
-    the child takes its state before drawing on, and gets the step's credits. It dies with
-    this process and close(). ``until`` (an Event) ends a wait for an item that hangs."""
+    Its credits for more come back every ``every`` items (a step); ``follow``: the OnlineMixer
+    that learns here (learn_late), whose state the child takes then before drawing on. It dies
+    with this process and close(). ``until`` (an Event) ends a wait for an item that hangs."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
@@ -1917,10 +1917,10 @@ def _share(item, slots, slot, depth):
     offset, end, out = slot * size, (slot + 1) * size, {}
     for key, value in item.items():
         if isinstance(value, torch.Tensor):
-            value, size = value.numpy(), -(-value.nbytes // 64) * 64  # (aligned for the next)
-            if offset + size <= end:
+            value, need = value.numpy(), -(-value.nbytes // 64) * 64  # (aligned for the next)
+            if offset + need <= end:
                 np.ndarray(value.shape, value.dtype, buffer=slots, offset=offset)[...] = value
-                value, offset = Shared(offset, value.shape, value.dtype.str), offset + size
+                value, offset = Shared(offset, value.shape, value.dtype.str), offset + need
         out[key] = value
     return out
 
