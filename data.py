@@ -1794,7 +1794,6 @@ class Prefetch(Stage):
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
-        self._credited = 0  # items taken whose credit went back to the child
 
     def _start(self):
         if self._pid is None:
@@ -1853,9 +1852,9 @@ class Prefetch(Stage):
             item = {k: self._tensor(v) if isinstance(v, (Shared, np.ndarray)) else v
                     for k, v in item.items()}
         self._taken += 1
-        if self._taken % self.every == 0 or self.depth <= self.every:  # one wake-up a step
-            self._ask(("more", self._taken - self._credited))
-            self._credited = self._taken
+        credits = self.every if self.every < self.depth else 1  # a step's at once: one wake-up
+        if self._taken % credits == 0:
+            self._ask(("more", credits))
         return item
 
     def _tensor(self, array):
