@@ -12,9 +12,11 @@ section, naming what it holds.
 
 import array
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import ctypes
+import functools
 import gc
 import glob
 import io
@@ -63,6 +65,12 @@ class Stage:
 
     def __iter__(self):
         return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        self.close()
 
     def state_dict(self):
         return self._state()
@@ -146,13 +154,13 @@ def _rng_from_json(rng, state):
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-            ".txt": "text", ".bin": "tokens", ".npy": "tokens"}
+            ".txt": "text", ".bin": "tokens", ".npy": "tokens", ".cbor": "cbor"}
 TOKEN_FORMATS = ("nanogpt", "llmc", "npy")  # token files' layouts (section 10), for format=
 
 
 def shard_format(url):
-    """"jsonl", "parquet", "text" or "tokens" from a shard's name (compression suffix aside),
-    else None."""
+    """"jsonl", "parquet", "text", "tokens" or "cbor" from a shard's name (compression suffix
+    aside), else None."""
     name = url.split("?")[0]
     for suffix in _COMPRESSED:
         name = name.removesuffix(suffix)
@@ -274,7 +282,8 @@ class Shards:
                 return size, len(self.array(url)), math.inf
             if kind == "tokens":
                 return size, self.tokens(url)[2], math.inf
-            return (size, None, 1) if url.endswith(_COMPRESSED) else (size, size, math.inf)
+            return (size, None, 1) if url.endswith(_COMPRESSED) or kind == "cbor" else (
+                size, size, math.inf)
         return self.retry.run(url, "its size", attempt)
 
     def open(self, url, at=0):
@@ -301,10 +310,12 @@ class Shards:
         return f
 
     def kind(self, url):
-        """"parquet", "text", "jsonl", "tokens", or "array" for a .json file of one JSON array."""
+        """"parquet", "text", "jsonl", "tokens", "cbor", or "array" for a .json file of one
+        JSON array."""
         if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
             return kind
-        if (self.format or shard_format(url)) in ("parquet", "text", "tokens", *TOKEN_FORMATS):
+        if (self.format or shard_format(url)) in ("parquet", "text", "tokens", "cbor",
+                                                  *TOKEN_FORMATS):
             kind = self.format or shard_format(url)
             self._kinds[url] = "tokens" if kind in TOKEN_FORMATS else kind
             if self._kinds[url] == "tokens":  # its header too, as a JSON array's first byte
@@ -350,6 +361,8 @@ class Shards:
             return _read_array(slot, self.array(slot["url"]))
         if kind == "tokens":
             return _read_tokens(slot, self.open, self.tokens(slot["url"]), self.tokenizer)
+        if kind == "cbor":
+            return _read_cbor(slot, self.open)
         return _read_lines(slot, self.open)  # JSON Lines and text: lines
 
     def record(self, data, slot, check):
@@ -377,8 +390,9 @@ class Shards:
         """The line (row, record) of the shard that the slot read last, counted from the
         shard's start: a split that starts inside it counts the lines before it, once."""
         url, start = slot["url"], slot["start"]
-        if "index" in slot or "token" in slot:
-            return f"record {slot['index']}" if "index" in slot else f"token {slot['token']}"
+        if "index" in slot or "token" in slot or "last_at" in slot:
+            return (f"token {slot['token']}" if "token" in slot else
+                    f"record {slot.get('index', slot['line'])}")
         if start and (url, start) not in self._bases:
             def count():
                 return _lines_before(slot, self.open, self.required_fields)
@@ -396,7 +410,8 @@ class Files(Stage):
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
                  format=None, transport_params=None, retries=8, retry_delay=1.0, rank=0,
-                 world_size=1, tokenizer=None):
+                 world_size=1, tokenizer=None, n_standby_shards=0, n_prefetch_samples=10,
+                 standby_timeout=60.0):
         if n_active_shards < 1 or n_active_shards % world_size:
             raise ValueError(f"n_active_shards={n_active_shards} must be a positive multiple "
                              f"of world_size={world_size}, so every rank reads whole slots")
@@ -431,6 +446,7 @@ class Files(Stage):
         self._rank_splits = None  # the splits this rank can be given (endless: see __next__)
         self._reading = self.epoch
         self._saved = {}  # pos -> the saved form of that slot while it reads nothing new
+        self._standby = _Standby(self, n_standby_shards, n_prefetch_samples, standby_timeout)
 
     # -- splits ----------------------------------------------------------------------------
 
@@ -456,6 +472,8 @@ class Files(Stage):
     def __next__(self):
         empties = set()  # splits met empty since the last record: all of them means none
         current = self._reading  # the epoch this rank reads (self.epoch, kept up to date)
+        if self._standby.fresh:
+            self._standby.plan()
         while self.slots:
             self.turn %= len(self.slots)
             if self.slots[self.turn]["pos"] // len(self.splits) > current:
@@ -497,6 +515,7 @@ class Files(Stage):
             self._files.pop(i)
         else:
             self.slots[i] = following
+            self._files[i] = self._standby.take(following)
         self.shards.keep_arrays({slot["url"] for slot in self.slots})
         return empty
 
@@ -554,6 +573,7 @@ class Files(Stage):
             if f is not None:
                 f.close()
         self._files = [None] * len(self.slots)
+        self._standby.close()
 
     def reshard_state(self, olds, ctx):
         """The slots of every old rank: this rank takes those s = rank (mod world size)."""
@@ -565,6 +585,61 @@ class Files(Stage):
         return self._state(turn=turns[0] if turns else 0,
                            skipped=sum(old["skipped"] for old in olds) if ctx.rank == 0 else 0,
                            slots=[slots[s] for s in keep])
+
+
+class _Standby:
+    """The splits Files opens next (``n`` of them), opened and their first ``n_prefetch``
+    records read on threads while the open ones are read: a slot that moves on finds its reader
+    ready (epochraft's standby shards). Only when a reader is opened changes, never the data."""
+
+    def __init__(self, files, n, n_prefetch, timeout):
+        self.files, self.n, self.n_prefetch, self.timeout = files, n, n_prefetch, timeout
+        self.pending, self._pool = {}, None  # pos -> future (records read, the reader)
+        self.fresh = True  # nothing planned since the start (or a close)
+
+    def _open(self, slot):
+        reader = self.files.shards.reader(slot)
+        return list(itertools.islice(reader, self.n_prefetch)), reader
+
+    def plan(self):
+        """Opens the next splits of the slots that have read longest, up to ``n`` at a time."""
+        files, self.fresh = self.files, False
+        if not self.n:
+            return
+        for pos in sorted(s["pos"] + files.n_slots for s in files.slots)[:self.n]:
+            if len(self.pending) < self.n and pos not in self.pending and (
+                    slot := files._slot(pos)) is not None:
+                self._pool = self._pool or ThreadPoolExecutor(self.n, "standby")
+                self.pending[pos] = self._pool.submit(self._open, slot)
+
+    def take(self, slot):
+        """The reader of ``slot`` if it stands by; None: Files opens it, with its retries (a
+        fault here, or a standby slower than ``timeout``, is left to them)."""
+        future, ready = self.pending.pop(slot["pos"], None), None
+        try:
+            ready = future and _chained(*future.result(self.timeout))
+        except Exception:
+            future.add_done_callback(_close_reader)
+        self.plan()
+        return ready
+
+    def close(self):
+        for future in self.pending.values():
+            future.add_done_callback(_close_reader)
+        self.pending, self.fresh = {}, True
+
+
+def _chained(records, reader):
+    try:
+        yield from records
+        yield from reader
+    finally:
+        reader.close()
+
+
+def _close_reader(future):
+    if not future.cancelled() and future.exception() is None:
+        future.result()[1].close()
 
 
 def _check_files(old, old_plan, new, plan):
@@ -635,8 +710,8 @@ def _row_crc(record):
 def _check_formats(urls, format):
     """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet): a
     DataError that names the argument and the train_llm.py flag that say the format."""
-    if format not in (None, "jsonl", "parquet", "text", *TOKEN_FORMATS):
-        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text', one of "
+    if format not in (None, "jsonl", "parquet", "text", "cbor", *TOKEN_FORMATS):
+        raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text', 'cbor', one of "
                          f"{TOKEN_FORMATS} or None (by suffix)")
     for url in urls:
         if (kind := format or shard_format(url)) is None:
@@ -645,8 +720,8 @@ def _check_formats(urls, format):
                             f"{_COMPRESSED}). Name the format: format='jsonl', 'parquet' or "
                             "'text' (train_llm.py: --data-format jsonl|parquet|text). CSV is "
                             "not read: convert it to JSON Lines (one JSON object per line)")
-        if kind in ("parquet", "tokens", *TOKEN_FORMATS) and url.endswith(_COMPRESSED):
-            raise DataError(f"shard {url}: a Parquet or token file must be able to seek, so "
+        if kind in ("parquet", "tokens", "cbor", *TOKEN_FORMATS) and url.endswith(_COMPRESSED):
+            raise DataError(f"shard {url}: a Parquet, CBOR or token file must be able to seek, so "
                             "it cannot be compressed as a whole")
     if format and (other := [u for u in urls if shard_format(u) not in (None, format)]):
         log.warning("format=%r (--data-format %s) reads %d shard(s) whose names say another "
@@ -806,6 +881,31 @@ def _read_array(slot, records):
     for index in range(first, end):
         yield records[index], {"index": index + 1, "line": slot["line"] + index + 1 - first,
                                "_row": copy.copy(records[index])}
+
+
+def _read_cbor(slot, open_shard):
+    """A CBOR shard (one CBOR object per record, back to back: epochraft's format), from the
+    slot's offset. A reopened slot first decodes the record it read last (``last_at``)."""
+    import cbor2
+    url, offset, line = slot["url"], slot["offset"], slot["line"]
+    with open_shard(url, slot.get("last_at", offset)) as f:
+        first, decoder = {"size": _check_size(f, slot)}, cbor2.CBORDecoder(f)
+        if "last_at" in slot and (_row_crc(decoder.decode()) != slot["last_row"]
+                                  or f.tell() != offset):
+            raise _changed_row(url, f"record {line}")
+        while True:
+            try:
+                record = decoder.decode()
+            except cbor2.CBORDecodeEOF:
+                if f.tell() == offset:  # (the end of the file, between two records)
+                    return
+                raise DataError(f"shard {url}: cut short inside record {line + 1}") from None
+            except cbor2.CBORDecodeError as e:
+                raise DataError(f"shard {url}, record {line + 1}: not CBOR: {e}") from e
+            line, at, offset = line + 1, offset, f.tell()
+            yield record, {"offset": offset, "line": line, "last_at": at,
+                           "_row": copy.copy(record), **first}
+            first = {}
 
 
 # -- Token files: nanoGPT's raw ids, llm.c's shards, .npy (DESIGN.md section 10) --------------
@@ -1763,8 +1863,9 @@ class Batch(Stage):
     """Groups ``batch_size`` samples into one (collate), within one next(): no partial batch
     is ever state. The last batch may be short unless ``drop_last``."""
 
-    def __init__(self, src, batch_size, *, drop_last=False):
+    def __init__(self, src, batch_size, *, drop_last=False, collate_fn=collate):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
+        self.collate_fn = collate_fn
         # No batch_size: Batch keeps no state, so a resumed run may group samples otherwise.
         self.config = {"drop_last": drop_last}
 
@@ -1777,7 +1878,7 @@ class Batch(Stage):
                 break
         if not samples or (self.drop_last and len(samples) < self.batch_size):
             raise StopIteration
-        return collate(samples)
+        return self.collate_fn(samples)
 
 
 class Prefetch(Stage):
@@ -2116,12 +2217,13 @@ class Mix(Stage):
 # ----------------------------------------------------------------------------------------------
 
 def _stages(pipeline):
-    """The stages of ``pipeline`` from its top, through the domains of a Mix."""
+    """The stages of ``pipeline`` from its top, through the pipelines of a Mix (Interleave,
+    Concat)."""
     stages = [pipeline]
     while stages:
         stage = stages.pop()
         yield stage
-        stages += stage.pipelines if isinstance(stage, Mix) else [stage.src] * bool(stage.src)
+        stages += getattr(stage, "pipelines", None) or [stage.src] * bool(stage.src)
 
 
 def first_read(pipeline):
@@ -2136,11 +2238,13 @@ def reshard(pipeline, states):
     """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states
     that the W ranks of an earlier run saved, in rank order: every document is trained on
     exactly once, only the order changes (DESIGN.md section 4). Returns counts for the log."""
-    *_, files = _stages(pipeline)  # (through a Mix: its first domain's source)
-    if not isinstance(files, Files):
-        raise ValueError(f"reshard: only a pipeline that reads Files can move to another "
-                         f"number of ranks; this one reads {type(files).__name__}")
-    ctx = Resharding(files.config["rank"], files.config["world_size"], len(states))
+    *_, bottom = _stages(pipeline)  # (through a Mix: its first domain's source)
+    # The rank: the highest stage that splits the data by it, a Stride or Files
+    split = next((s for s in _stages(pipeline) if isinstance(s, (Stride, Files))), None)
+    if split is None:
+        raise ValueError(f"reshard: only a pipeline that reads Files, or strides, can move to "
+                         f"another number of ranks; this one reads {type(bottom).__name__}")
+    ctx = Resharding(split.config["rank"], split.config["world_size"], len(states))
     pipeline.load_state_dict(ctx.merge(pipeline, states))
     return ctx.report
 
@@ -2326,7 +2430,8 @@ def source_epoch(loader_state):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stages outside the trainer's pipelines: Map, Filter
+# Stages outside the trainer's pipelines: Map, Filter, FilterMap, ParallelMap, Sequence, Chunk,
+# Count, Stride, Cache, Interleave, Concat; then the chained face, CheckpointableDataset
 # ----------------------------------------------------------------------------------------------
 
 class Map(Stage):
@@ -2347,3 +2452,472 @@ class Filter(Map):
             sample = next(self.src)
             if self.fn(sample):
                 return sample
+
+
+class FilterMap(Map):
+    """Applies ``fn``; a sample for which it returns None is dropped."""
+
+    def __next__(self):
+        while (sample := self.fn(next(self.src))) is None:
+            pass
+        return sample
+
+
+class ParallelMap(Stage):
+    """FilterMap on a pool of ``max_workers`` threads or processes (``executor_type``), up to
+    ``max_workers * prefetch_factor`` samples ahead. The state is the upstream's after the last
+    sample handed out (DESIGN.md section 2, rule 1). ``ordered=False`` hands samples out as
+    they finish and gives up exactness: a resume may repeat or skip those that were in flight."""
+
+    def __init__(self, src, fn, *, max_workers=None, prefetch_factor=10, ordered=True,
+                 executor_type="process"):
+        if executor_type not in ("thread", "process"):
+            raise ValueError(f"executor_type={executor_type!r}: pass 'thread' or 'process'")
+        self.src, self.fn, self.ordered, self.executor_type = src, fn, ordered, executor_type
+        self.workers = max_workers or os.cpu_count()
+        self.ahead = self.workers * prefetch_factor
+        self.config = {"ordered": ordered}
+        self._pool, self._inflight, self._exhausted = None, [], False
+        self._last = None  # the upstream state after the last sample handed out
+
+    def _submit(self):
+        while not self._exhausted and len(self._inflight) < self.ahead:
+            try:
+                sample = next(self.src)
+            except StopIteration:
+                self._exhausted = True
+                break
+            if self._pool is None:
+                self._pool = (ThreadPoolExecutor(self.workers, "parallel_map")
+                              if self.executor_type == "thread" else
+                              concurrent.futures.ProcessPoolExecutor(self.workers))
+            self._inflight.append((self._pool.submit(self.fn, sample), self.src.state_dict()))
+
+    def __next__(self):
+        if self._last is None:
+            self._last = self.src.state_dict()
+        while True:
+            self._submit()
+            if not self._inflight:
+                raise StopIteration
+            i = 0
+            if not self.ordered:  # the first to finish
+                done, _ = concurrent.futures.wait([f for f, _ in self._inflight],
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                i = next(k for k, (f, _) in enumerate(self._inflight) if f in done)
+            future, self._last = self._inflight.pop(i)
+            if (sample := future.result()) is not None:
+                return sample
+
+    def state_dict(self):
+        return self._state(upstream=self.src.state_dict() if self._last is None else self._last)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._inflight = []
+        super().close()
+
+
+_END = object()
+
+
+class Sequence(Stage):
+    """In-memory samples (a list, a Hugging Face Dataset: read by index), in order or shuffled
+    anew every epoch (``shuffle``, by ``(seed, epoch)``); or, with ``iterable=True``, any
+    iterable that yields the same samples every time it is iterated: a resume iterates it again
+    up to where it stood (it cannot seek)."""
+
+    def __init__(self, items, *, repeat=False, shuffle=False, seed=0, iterable=False):
+        if not iterable and not hasattr(items, "__getitem__"):
+            items = list(items)
+        if iterable and shuffle:
+            raise ValueError("Sequence: an iterable cannot be shuffled; give a list")
+        self.items, self.iterable = items, iterable
+        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
+        self.config = {"n_items": None if iterable else len(items), "repeat": repeat,
+                       "shuffle": shuffle, "seed": seed}
+        self.epoch, self.pos, self._it = 0, 0, None
+        self._order = None if iterable else _split_order(len(items), seed, 0, shuffle)
+
+    def __next__(self):
+        while (item := self._item()) is _END:
+            if not self.repeat or self.pos == 0:  # (an empty epoch: no next one either)
+                raise StopIteration
+            self.epoch, self.pos, self._it = self.epoch + 1, 0, None
+            if not self.iterable:
+                self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
+        self.pos += 1
+        # A copy, because later stages add keys and the next epoch must see the original.
+        return dict(item) if isinstance(item, dict) else item
+
+    def _item(self):
+        if self.iterable:
+            if self._it is None:  # (resumed: pass what was read before)
+                self._it = itertools.islice(iter(self.items), self.pos, None)
+            return next(self._it, _END)
+        return self.items[self._order[self.pos]] if self.pos < len(self.items) else _END
+
+    def state_dict(self):
+        return self._state(epoch=self.epoch, pos=self.pos)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.epoch, self.pos, self._it = state["epoch"], state["pos"], None
+        if not self.iterable:
+            self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
+
+
+class Chunk(Stage):
+    """Cuts each document on its own into ``input_ids`` tensors of ``length`` tokens (its short
+    tail dropped unless ``drop_remainder=False``); the uncut rest of a document is state."""
+
+    def __init__(self, src, length, *, drop_remainder=True):
+        self.src, self.length, self.drop_remainder = src, length, drop_remainder
+        self.config = {"length": length, "drop_remainder": drop_remainder}
+        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
+
+    def __next__(self):
+        while True:
+            left = len(self.doc) - self.pos
+            if left >= self.length or (left > 0 and not self.drop_remainder):
+                piece = self.doc[self.pos:self.pos + self.length]
+                self.pos += len(piece)
+                return {"input_ids": as_tensor(piece)}
+            self.doc, self.pos = array.array("q"), 0
+            self.doc.frombytes(as_int64(next(self.src)["input_ids"], "Chunk"))
+
+    def state_dict(self):
+        return self._state(rest=self.doc[self.pos:].tolist())
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.doc, self.pos = array.array("q", state["rest"]), 0
+
+
+class Count(Stage):
+    """The first ``max_count`` samples (None: all), each numbered from 0 in ``column`` if given
+    (epochraft's take and enumerate). The count is per rank: its state cannot be split."""
+
+    def __init__(self, src, max_count=None, *, column=None):
+        self.src, self.max_count, self.column, self.count = src, max_count, column, 0
+        self.config = {"max_count": max_count, "column": column}
+
+    def __next__(self):
+        if self.max_count is not None and self.count >= self.max_count:
+            raise StopIteration
+        sample = next(self.src)
+        if self.column is not None:
+            sample[self.column] = self.count
+        self.count += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(count=self.count)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.count = state["count"]
+
+
+class Stride(Stage):
+    """Every ``interval``-th sample from the ``offset``-th: with the world size and the rank,
+    ranks share out one stream that each reads whole, in an order that does not depend on
+    their number, and that a reshard continues on the new ranks (DESIGN.md section 4)."""
+
+    def __init__(self, src, interval, offset):
+        if not 0 <= offset < interval:
+            raise ValueError(f"Stride: offset={offset} must be in [0, interval={interval})")
+        self.src, self.interval, self.offset = src, interval, offset
+        self.config = {"world_size": interval, "rank": offset}  # (the names reshard changes)
+        self.count, self.start = 0, 0  # upstream samples read; where this striding began
+
+    def __next__(self):
+        while (self.count - self.start) % self.interval != self.offset:
+            next(self.src)
+            self.count += 1
+        sample = next(self.src)
+        self.count += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(count=self.count, start=self.start)
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.count, self.start = state["count"], state["start"]
+
+    def reshard_state(self, olds, ctx):
+        """Where the old ranks together stood: the stream's first ``n`` samples read, none of
+        the rest. The new ranks stride on from there, with the upstream state read there."""
+        start, world = olds[0]["start"], len(olds)
+        handed = [len(range(start + r, old["count"], world)) for r, old in enumerate(olds)]
+        n = start + sum(handed)
+        at = [old for old in olds if old["count"] == n]
+        if any(old["start"] != start for old in olds) or not at or any(
+                h != len(range(start + r, n, world)) for r, h in enumerate(handed)):
+            raise ValueError(f"reshard: the ranks stopped at different places of the stream "
+                             f"they stride over ({handed} samples); resume on {world} ranks")
+        return self._state(count=n, start=n, upstream=at[0]["upstream"])
+
+
+class Cache(Stage):
+    """The samples of ``build()`` (a fresh upstream pipeline) kept in ``store`` as they are first
+    read, shared by the pipelines a dataset builds: small data read again and again (validation).
+    Its state is how many it handed out; a new process reads them again into its store."""
+
+    def __init__(self, build, store):
+        self.build, self.store, self.index, self._at = build, store, 0, -1
+        self.config = {"cache": True}
+
+    def __next__(self):
+        items = self.store.setdefault("items", [])
+        while self.index >= len(items):
+            if self.store.get("done"):
+                raise StopIteration
+            if self._at != len(items):  # another pipeline read on: start where the store ends
+                self.close()
+                self.src = self.build()
+                if items:
+                    self.src.load_state_dict(copy.deepcopy(self.store["state"]))
+            try:
+                items.append(next(self.src))
+            except StopIteration:
+                self.store["done"] = True
+                continue
+            self.store["state"], self._at = self.src.state_dict(), len(items)
+        self.index += 1
+        return dict(items[self.index - 1])  # (a copy: later stages add keys)
+
+    def state_dict(self):
+        return self._state(index=self.index, upstream=None)
+
+    def load_state_dict(self, state):
+        self._check_config(state["config"])
+        self.index = state["index"]
+
+
+class _Several(Stage):
+    """What Interleave and Concat share: several pipelines, and an ``index`` into them."""
+
+    def state_dict(self):
+        return self._state(index=self.index, upstream=[p.state_dict() for p in self.pipelines])
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.index = state["index"]
+        for pipeline, upstream in zip(self.pipelines, state["upstream"]):
+            pipeline.load_state_dict(upstream)
+
+    def reshard_state(self, olds, ctx):
+        """Each pipeline reshards on its own, as Mix's domains do."""
+        upstream = [ctx.merge(pipeline, [old["upstream"][k] for old in olds])
+                    for k, pipeline in enumerate(self.pipelines)]
+        return self._state(index=self._merged(olds, ctx), upstream=upstream)
+
+    def close(self):
+        for pipeline in self.pipelines:
+            pipeline.close()
+
+
+class Interleave(_Several):
+    """Samples from ``pipelines`` in the proportions of ``weights``, in a fixed order (smooth
+    weighted round-robin over ``chunk_size`` draws, repeated: no randomness); it ends when the
+    pipeline it draws from ends. For draws at random, or weights that learn, see Mix."""
+
+    def __init__(self, pipelines, weights=None, *, chunk_size=1024):
+        weights = [1] * len(pipelines) if weights is None else list(weights)
+        if len(weights) != len(pipelines) or sum(weights) <= 0 or min(weights) < 0:
+            raise ValueError(f"interleave: {len(pipelines)} pipelines need as many weights "
+                             f"of 0 or more, not all 0; got {weights}")
+        self.pipelines, self.index = list(pipelines), 0
+        self.config = {"weights": weights, "chunk_size": chunk_size}
+        credit, self.order = [0.0] * len(weights), []
+        for _ in range(chunk_size):  # each draw: every credit grows by its share, the largest
+            credit = [c + w / sum(weights) for c, w in zip(credit, weights)]  # is drawn and
+            self.order.append(credit.index(max(credit)))                      # pays 1
+            credit[self.order[-1]] -= 1
+
+    def __next__(self):
+        i = self.order[self.index % len(self.order)]
+        sample = next(self.pipelines[i])
+        self.index += 1
+        return sample
+
+    def _merged(self, olds, ctx):
+        return olds[ctx.rank % len(olds)]["index"]
+
+
+class Concat(_Several):
+    """The samples of each pipeline in turn."""
+
+    def __init__(self, pipelines):
+        if not pipelines:
+            raise ValueError("concat: give at least one pipeline")
+        self.pipelines, self.index = list(pipelines), 0
+        self.config = {"n_pipelines": len(self.pipelines)}
+
+    def __next__(self):
+        while self.index < len(self.pipelines):
+            try:
+                return next(self.pipelines[self.index])
+            except StopIteration:
+                self.index += 1
+        raise StopIteration
+
+    def _merged(self, olds, ctx):
+        return min(old["index"] for old in olds)  # (a rank past a pipeline finds it empty)
+
+
+# -- The chained face: epochraft's API over the stages above (README, "Using data.py on its own")
+
+class CheckpointableDataset(torch.utils.data.IterableDataset):
+    """A recipe for a pipeline, chained as epochraft's tutorial writes it
+    (``CheckpointableDataset.from_files(url).tokenize(tok).concat_chunk(1024).batch(8)``), with
+    its names, arguments and defaults. ``iter(state_dict=None)`` builds the stages anew and
+    returns the top one: an iterator with ``state_dict()`` and ``close()``. Each verb is a stage
+    (DESIGN.md section 2) and keeps its guarantees; ``then(Stage, ...)`` adds one of your own."""
+
+    def __init__(self, build):
+        self.build = build  # () -> a fresh pipeline
+
+    def iter(self, state_dict=None):
+        pipeline = self.build()
+        if state_dict is not None:
+            pipeline.load_state_dict(copy.deepcopy(state_dict))  # (stages keep parts of it)
+        return pipeline
+
+    def __iter__(self):
+        return self.iter()
+
+    def then(self, stage, *args, **kwargs):
+        """This dataset followed by ``stage(upstream, *args, **kwargs)``."""
+        return CheckpointableDataset(lambda: stage(self.build(), *args, **kwargs))
+
+    @staticmethod
+    def from_files(urls, repeat=False, shuffle_shards=False, format="auto", n_active_shards=10,
+                   n_standby_shards=2, timeout=60.0, n_prefetch_samples=10, seed=42, **files):
+        """Shards (Files; ``files``: its other arguments, e.g. rank and world_size), read by
+        up to ``n_active_shards`` slots: fewer where the shards cannot be cut into so many."""
+        def build(slots=n_active_shards):
+            try:
+                return Files(urls, repeat=repeat, shuffle_shards=shuffle_shards, seed=seed,
+                             format=None if format == "auto" else format, n_active_shards=slots,
+                             n_standby_shards=n_standby_shards, standby_timeout=timeout,
+                             n_prefetch_samples=n_prefetch_samples, **files)
+            except SplitError as e:
+                most = e.n_splits // files.get("world_size", 1) * files.get("world_size", 1)
+                if not most or slots == most:
+                    raise
+                return build(most)
+        return CheckpointableDataset(build)
+
+    @staticmethod
+    def from_sequence(sequence, repeat=False, shuffle=False, shuffle_seed=42):
+        return CheckpointableDataset(lambda: Sequence(sequence, repeat=repeat, shuffle=shuffle,
+                                                      seed=shuffle_seed))
+
+    @staticmethod
+    def from_iterable(iterable, repeat=False):
+        """``iterable`` must yield the same samples every time it is iterated."""
+        return CheckpointableDataset(lambda: Sequence(iterable, repeat=repeat, iterable=True))
+
+    def map(self, fn):
+        return self.then(Map, fn)
+
+    def filter(self, fn):
+        return self.then(Filter, fn)
+
+    def filter_map(self, fn):
+        return self.then(FilterMap, fn)
+
+    def parallel_filter_map(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
+                            executor_type="process"):
+        return self.then(ParallelMap, fn, max_workers=max_workers, ordered=ordered,
+                         prefetch_factor=prefetch_factor, executor_type=executor_type)
+
+    def parallel_map(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
+                     executor_type="process"):
+        return self.parallel_filter_map(fn, max_workers, prefetch_factor, ordered, executor_type)
+
+    def parallel_filter(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
+                        executor_type="process"):
+        return self.parallel_filter_map(functools.partial(_kept, fn), max_workers,
+                                        prefetch_factor, ordered, executor_type)
+
+    def tokenize(self, tokenizer, tokenizer_kwargs=None, target_column="text", parallel=True,
+                 max_workers=1, prefetch_factor=10, ordered=True, executor_type="thread"):
+        """Tokenize on ``max_workers`` threads (the tokenizer releases the GIL); it keeps the
+        order whatever ``ordered`` says, and takes ``add_special_tokens`` of tokenizer_kwargs."""
+        kwargs = dict(tokenizer_kwargs or {})
+        special = kwargs.pop("add_special_tokens", True)
+        _refuse("tokenize", kwargs and f"tokenizer_kwargs {sorted(kwargs)}",
+                executor_type != "thread" and "executor_type='process'")
+        return self.then(Tokenize, tokenizer, column=target_column, add_special_tokens=special,
+                         num_threads=(max_workers or 1) if parallel else 1)
+
+    def ensure_bos_eos(self, tokenizer, target_column="input_ids"):
+        _refuse("ensure_bos_eos", target_column != "input_ids" and f"column {target_column!r}")
+        return self.then(EnsureBosEos, tokenizer)
+
+    def chunk(self, chunk_length, target_columns=("input_ids",), drop_remainder=True):
+        _refuse("chunk", tuple(target_columns) != ("input_ids",) and f"{target_columns}")
+        return self.then(Chunk, chunk_length, drop_remainder=drop_remainder)
+
+    def concat_chunk(self, chunk_length, target_columns=("input_ids",)):
+        _refuse("concat_chunk", tuple(target_columns) != ("input_ids",) and f"{target_columns}")
+        return self.then(ConcatChunk, chunk_length)
+
+    def pad(self, pad_values, chunk_length):
+        """Pad: ``pad_values`` gives input_ids' pad id (and labels', -100 if not given)."""
+        _refuse("pad", set(pad_values) - {"input_ids", "labels"} and f"columns {pad_values}")
+        return self.then(Pad, chunk_length, pad_id=pad_values["input_ids"],
+                         label_pad_id=pad_values.get("labels", -100))
+
+    def pack_chunk(self, chunk_length, target_columns=("input_ids",), discard_long_samples=False):
+        _refuse("pack_chunk", set(target_columns) - {"input_ids", "labels"} and
+                f"columns {target_columns}")
+        return self.then(Pack, chunk_length, discard_long=discard_long_samples)
+
+    def shuffle(self, buffer_size, seed=42):
+        return self.then(Shuffle, buffer_size, seed=seed)
+
+    def batch(self, batch_size, collate_fn=collate, drop_last=False):
+        return self.then(Batch, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+
+    def take(self, max_count):
+        return self.then(Count, max_count)
+
+    def enumerate(self, count_column="step"):
+        return self.then(Count, column=count_column)
+
+    def stride(self, interval, offset):
+        return self.then(Stride, interval, offset)
+
+    def cache(self):
+        store = {}  # (shared by every pipeline this dataset builds)
+        return CheckpointableDataset(lambda: Cache(self.build, store))
+
+    def __add__(self, other):
+        return concat_datasets([self, other])
+
+
+def _kept(fn, sample):
+    return sample if fn(sample) else None
+
+
+def _refuse(verb, *unsupported):
+    """A ValueError for what a verb of the face does not do here, named."""
+    if said := [u for u in unsupported if u]:
+        raise ValueError(f"{verb}: {', '.join(said)} not supported by data.py's stages; "
+                         "chain a map() of your own, or then(YourStage)")
+
+
+def interleave_datasets(sources, weights=None, chunk_size=1024):
+    """Samples of ``sources`` in the proportions of ``weights`` (Interleave; Mix draws them)."""
+    return CheckpointableDataset(lambda: Interleave([s.build() for s in sources], weights,
+                                                    chunk_size=chunk_size))
+
+
+def concat_datasets(sources):
+    return CheckpointableDataset(lambda: Concat([s.build() for s in sources]))

@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import utils  # noqa: E402
-from data import Stage, _split_order, as_int64, as_tensor  # noqa: E402
+from data import Chunk, Count, Sequence  # noqa: E402, F401 (the tests' in-memory stages)
 
 # One thread each: faster for a model this small, and the same float sums in every process.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -539,85 +539,3 @@ def assert_same_weights(a, b):
 def final_model(exp_dir):
     path = exp_dir / f"checkpoints/step-{CORPUS_STEPS:06d}/model.pt"
     return torch.load(path, weights_only=True)
-
-
-# Stages that only tests use: an in-memory source, the first n, chunks of single documents
-
-class Sequence(Stage):
-    """An in-memory list of samples, optionally repeated and reshuffled every epoch."""
-
-    def __init__(self, items, *, repeat=False, shuffle=False, seed=0):
-        self.items = list(items)
-        self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
-        self.config = {"n_items": len(self.items), "repeat": repeat, "shuffle": shuffle,
-                       "seed": seed}
-        self.epoch, self.pos = 0, 0
-        self._order = _split_order(len(self.items), seed, 0, shuffle)  # (as Files orders)
-
-    def __next__(self):
-        if self.pos == len(self.items):
-            if not self.repeat or not self.items:
-                raise StopIteration
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
-        item = self.items[self._order[self.pos]]
-        self.pos += 1
-        # A copy, because later stages add keys and the next epoch must see the original.
-        return dict(item) if isinstance(item, dict) else item
-
-    def state_dict(self):
-        return self._state(epoch=self.epoch, pos=self.pos)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
-
-
-class Take(Stage):
-    """The first ``n`` samples."""
-
-    def __init__(self, src, n):
-        self.src, self.n, self.count = src, n, 0
-        self.config = {"n": n}
-
-    def __next__(self):
-        if self.count >= self.n:
-            raise StopIteration
-        sample = next(self.src)
-        self.count += 1
-        return sample
-
-    def state_dict(self):
-        return self._state(count=self.count)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.count = state["count"]
-
-
-class Chunk(Stage):
-    """Cuts each document on its own into ``input_ids`` tensors of ``length`` tokens (its short
-    tail dropped unless ``drop_remainder=False``); the uncut rest of a document is state."""
-
-    def __init__(self, src, length, *, drop_remainder=True):
-        self.src, self.length, self.drop_remainder = src, length, drop_remainder
-        self.config = {"length": length, "drop_remainder": drop_remainder}
-        self.doc, self.pos = array.array("q"), 0  # current document, start of its uncut rest
-
-    def __next__(self):
-        while True:
-            left = len(self.doc) - self.pos
-            if left >= self.length or (left > 0 and not self.drop_remainder):
-                piece = self.doc[self.pos:self.pos + self.length]
-                self.pos += len(piece)
-                return {"input_ids": as_tensor(piece)}
-            self.doc, self.pos = array.array("q"), 0
-            self.doc.frombytes(as_int64(next(self.src)["input_ids"], "Chunk"))
-
-    def state_dict(self):
-        return self._state(rest=self.doc[self.pos:].tolist())
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.doc, self.pos = array.array("q", state["rest"]), 0

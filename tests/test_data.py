@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from helpers import ROOT, Chunk, Sequence, Take, toy_tokenizer
+from helpers import ROOT, Chunk, Count, Sequence, toy_tokenizer
 
 from data import (
     Batch,
@@ -146,8 +146,8 @@ def test_a_sequence_reshuffles_each_epoch_and_later_stages_cannot_change_its_ite
 def test_map_applies_filter_keeps_and_take_stops_after_n_items():
     assert list(Map(Sequence(range(4)), lambda x: x * 10)) == [0, 10, 20, 30]
     assert list(Filter(Sequence(range(6)), lambda x: x % 2)) == [1, 3, 5]
-    assert list(Take(Sequence(range(6)), 2)) == [0, 1]
-    assert list(Take(Sequence(range(1)), 5)) == [0]
+    assert list(Count(Sequence(range(6)), 2)) == [0, 1]
+    assert list(Count(Sequence(range(1)), 5)) == [0]
 
 
 # -- Tokenize and EnsureBosEos ---------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_bad_record_names_shard_and_line(tmp_path, caplog, line, problem):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "ok 1"}\n{"text": "ok 2"}\n' + line + b'\n{"text": "ok 4"}\n')
     files = Files(str(path), required_fields=["text"])
-    assert texts(Take(files, 2)) == ["ok 1", "ok 2"]
+    assert texts(Count(files, 2)) == ["ok 1", "ok 2"]
     with pytest.raises(ValueError) as err:
         next(files)
     assert f"shard {path}, line 3" in str(err.value) and problem in str(err.value)

@@ -11,7 +11,7 @@ import collections
 import json
 
 import pytest
-from helpers import ID_OF, Take, examples, stage, write_corpus
+from helpers import ID_OF, Count, examples, stage, write_corpus
 from helpers import WORD_TOKENIZER as TOKENIZER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -48,7 +48,7 @@ def run_worlds(p, build, after_reading=lambda pipe, k: None, check_resharded=lam
             check_resharded(pipes)
         states = []
         for pipe in pipes:
-            for batch in pipe if last else Take(pipe, p["cuts"][k]):
+            for batch in pipe if last else Count(pipe, p["cuts"][k]):
                 seen += ids_in(batch)
             after_reading(pipe, k)
             states.append(json.loads(json.dumps(pipe.state_dict())))
@@ -204,11 +204,11 @@ def test_a_stage_before_tokenize_reshards_every_kept_document_once(tmp_path_fact
 
 def test_a_stage_with_state_before_tokenize_that_cannot_reshard_is_refused_by_name(tmp_path):
     write_corpus(tmp_path, [10, 10])
-    pipes = [data.Tokenize(Take(data.Files(str(tmp_path / "*.jsonl"), rank=r, world_size=2,
+    pipes = [data.Tokenize(Count(data.Files(str(tmp_path / "*.jsonl"), rank=r, world_size=2,
                                                 n_active_shards=2), 5), TOKENIZER)
              for r in range(2)]
     states = [pipe.state_dict() for pipe in pipes]
-    one = data.Tokenize(Take(data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2), 5),
+    one = data.Tokenize(Count(data.Files(str(tmp_path / "*.jsonl"), n_active_shards=2), 5),
                         TOKENIZER)
-    with pytest.raises(ValueError, match="the state of Take cannot be split across ranks"):
+    with pytest.raises(ValueError, match="the state of Count cannot be split across ranks"):
         data.reshard(one, states)
