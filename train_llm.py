@@ -2,11 +2,10 @@
 
     python train_llm.py --experiment-name demo
 
-A run writes into {save-dir}/{experiment-name}/ (DESIGN.md section 3); the same command resumes
-it from its last checkpoint, bit-identically on the same hardware. Read main() first: the
-functions it calls follow it in the order it calls them. This file is the one to change (the
-model, optimizer, schedule, pipeline, step, loss, metrics, what a checkpoint holds); utils.py
-keeps the run directory and checkpoints safe, data.py is the data pipeline.
+A run writes into {save-dir}/{experiment-name}/ (DESIGN.md section 3) and resumes bit-identically
+on the same hardware. Read main() first: the functions it calls follow it in that order. This
+file is the one to change (model, optimizer, schedule, pipeline, step, loss, metrics, what a
+checkpoint holds); utils.py keeps the run directory and checkpoints safe, data.py is the data.
 """
 
 import functools
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import record_function
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -70,8 +70,7 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
     optimizers = build_optimizers(model, args)  # AdamW; --optimizer muon: Muon and AdamW
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: get_lr(s, args) / args.lr)
                   for o in optimizers]
-    # Training state of your own, in every checkpoint and restored on resume: name -> object
-    # with state_dict() and load_state_dict() (README, "Changing the kit": an EMA).
+    # Your training state, checkpointed: name -> object with state_dict(), load_state_dict().
     extra = {}
 
     domains, weights, mixer = mixture(args, state)  # ([], None, None) without --mix/--odm
@@ -88,7 +87,8 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
 
     stop = utils.stop_on_signals(train_loader)  # SIGTERM, Ctrl-C: finish the step, save, exit
     writer = utils.checkpoint_writer(args.checkpoint_writer, ctx)  # in the background, or here
-    prompt_format = trained.prompt_format(state["config"])  # how the samples are laid out
+    validate = functools.partial(validation_metrics, model, val_batches, ctx, domains, tokenizer,
+                                 args, trained.prompt_format(state["config"]), stop)
     in_flight = utils.StepNumbers(ctx, run, train_loader, writer)  # read a step late: no wait
     timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
     tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
@@ -97,19 +97,19 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
     stopping = False
 
     model.train()
-    with logging_redirect_tqdm():
+    with logging_redirect_tqdm(), utils.Profiler(args.profile_steps, run.dir, ctx) as profiler:
         while state["global_step"] < args.max_steps and not stopping:
             step = state["global_step"] + 1
+            profiler.step(step)  # --profile-steps: a trace of the record_function ranges
             writer.check()  # a background save that failed stops the run here
 
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
-            with timers["data"]:  # next() by hand, so the wait for data is measured
+            with timers["data"], record_function("data"):  # next() by hand: the wait is timed
                 batches = [next(train_loader, None) for _ in range(args.grad_accum)]
             if utils.out_of_data(batches, step, args, ctx, train_loader):  # --epochs: all ranks
                 log_steps(in_flight.ready(wait=True), log, domains, state, args)
                 if log.last and "val_loss" not in log.last and not stop.is_set():  # the last step
-                    log.rewrite_last(validation_metrics(model, val_batches, ctx, domains,
-                                                        tokenizer, args, prompt_format, stop))
+                    log.rewrite_last(validate())
                 state["data_exhausted"] = not stop.is_set()  # the run is done
                 save_checkpoint(run, model, optimizers, schedulers, extra, train_loader, args,
                                 ctx, writer)
@@ -121,8 +121,9 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
             stats = train_step(model, batches, ctx, loss_fn, len(domains))
             log_step = step % args.log_freq == 0 or step == args.max_steps
             stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
-            stats["grad_norm"] = clip_gradients(model, args, ctx)
-            lrs = update(optimizers, schedulers)  # the learning rates this step used
+            with record_function("update"):
+                stats["grad_norm"] = clip_gradients(model, args, ctx)
+                lrs = update(optimizers, schedulers)  # the learning rates this step used
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step
             run.step_taken(step, args, ctx)  # from now on signals wait for the step in flight
@@ -133,8 +134,7 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
                 metrics |= speed.metrics(step)
             if step % args.val_freq == 0 or step == args.max_steps:
                 with timers["validation"]:
-                    metrics |= validation_metrics(model, val_batches, ctx, domains, tokenizer,
-                                                  args, prompt_format, stop)
+                    metrics |= validate()
                 stopping |= metrics.pop("stopped", False)  # a signal during validation
             in_flight.add(stats, metrics)  # (its loss and gradient norm: still computing)
             stopping |= log_steps(in_flight.ready(), log, domains, state, args)  # the step before
@@ -276,10 +276,9 @@ def compile_model(model, args):
 
 
 def build_optimizers(model, args):
-    """The optimizers, a list (each is scheduled, saved, restored). AdamW, fused (on a GPU one
-    launch per step; on a CPU a third to a half of the for-loop's time), decaying the weight
-    matrices only: decaying biases and LayerNorm gains regularizes nothing. --optimizer muon:
-    torch.optim.Muon on the hidden matrices, AdamW on the rest (as nanochat trains)."""
+    """The optimizers, a list (each is scheduled, saved, restored). AdamW, fused (DESIGN.md
+    section 6), decays the weight matrices only: decaying biases and LayerNorm gains regularizes
+    nothing. --optimizer muon: torch.optim.Muon on the hidden matrices, AdamW on the rest."""
     head = getattr(utils.unwrap(model), "get_output_embeddings", lambda: None)()  # (not DDP's)
     outer = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or m is head
              for p in m.parameters()}
@@ -442,7 +441,7 @@ def train_step(model, batches, ctx, loss_fn, n_domains=0):
     for i, batch in enumerate(batches):
         # Gradients are averaged across ranks once per step, in the last backward.
         with utils.gradient_sync(model, enabled=i == len(batches) - 1):
-            with ctx.autocast():
+            with ctx.autocast(), record_function("forward"):
                 logits, targets, aux = forward(model, batch, ctx.device)
                 sums, counts = loss_fn(logits, targets)
                 loss = sums.sum() * ctx.world_size / scored.clamp(min=1)
@@ -450,7 +449,8 @@ def train_step(model, batches, ctx, loss_fn, n_domains=0):
             # loss's backward, which runs first: without our reference they go right after.
             del logits
             # The model's own loss term: its mean over the micro-batches and ranks, logged apart.
-            (loss if aux is None else loss + aux / len(batches)).backward()
+            with record_function("backward"):
+                (loss if aux is None else loss + aux / len(batches)).backward()
         stats["loss"] += loss.detach() / ctx.world_size
         if aux is not None:
             stats["aux_loss"] = aux.detach() / len(batches) / ctx.world_size + stats.get(
@@ -518,8 +518,7 @@ def sequence_losses(logits, targets, label_smoothing=0.0):
     """Next-token cross-entropy summed over each sequence, and the tokens scored: two [batch]
     tensors, what a mean over tokens, or over a domain's sequences, is made of."""
     targets, flat = next_token_targets(targets), logits.flatten(0, 1)
-    # The logits as they come (bf16 under autocast, as nanoGPT's): a float32 copy costs GPT-2
-    # 9% of its step on an H100. Under --compile the softmax is fused, its [N, V] not stored.
+    # The logits as they come (bf16 under autocast, as nanoGPT's; why: DESIGN.md section 7).
     loss = F.cross_entropy(flat, targets.flatten(), reduction="none",
                            label_smoothing=label_smoothing)
     return loss.view(targets.shape)[:, :-1].sum(dim=1), (targets != -100).sum(dim=1)
@@ -594,9 +593,8 @@ def evaluate(model, batches, ctx, n_domains=0, stop=None):
 def get_parser():
     parser = utils.ArgumentParser(description=__doc__.split("\n")[0])  # argparse's
     at_least, finite = utils.at_least, utils.finite  # argparse types that check a flag
-    # fixed(...): a flag that shapes what a step computes (data, model, update rule), in the
-    # run's fingerprint: a resume with another value is refused. Its default must do what the
-    # script did without it (a run saved before it counts as having had it). add(...): the rest.
+    # fixed(...): a flag that shapes what a step computes, in the run's fingerprint (a resume with
+    # another value is refused); its default does what the script did without it. add: the rest.
 
     add, fixed = parser.group("run")
     add("-e", "--experiment-name", required=True, help="run name; outputs go to SAVE_DIR/NAME")
@@ -679,6 +677,8 @@ def get_parser():
         help="Weights & Biases project (default: $WANDB_PROJECT, else train-llm)")
     add("--sample-prompt", help="continued at each validation (default 'The'; sft: a question)")
     add("--sample-tokens", type=at_least(0), default=32, help="tokens of it (0: no sample)")
+    add("--profile-steps", type=utils.step_range, metavar="A:B",
+        help="write a torch.profiler trace of steps A to B into SAVE_DIR/NAME/profile/")
 
     add, fixed = parser.group("distributed (under torchrun)")
     fixed("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")

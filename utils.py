@@ -1,17 +1,8 @@
 """The machinery behind train_llm.py: what keeps a run safe and measures it. Nothing here
 decides how training goes (that is the script's), and nothing here imports the script: a run
-records its script's path, and the model is rebuilt from it (trained.load_trained).
-
-    Flags                argparse types, check_args (shipped files a copy lacks, the run dir)
-    The run directory    open_run and Run (lock, train.log, the fingerprint refusals, where to
-                         resume), MetricsLog, the loop's refusals, cli
-    Measuring            Timer, GarbageCollection, memory, MFU
-    Distributed          joining the process group, gradient sync, all-reduces
-    RNGs                 RNG states, the states of several optimizers
-    Models               unwrap, check_model, pretrained (trained.py: a trained model)
-    Checkpoints          save_checkpoint and CheckpointReader (what the script calls), then the
-                         bytes: write_checkpoint, DirectFile, BackgroundWriter,
-                         run_state (where a run resumes from), discard_after
+records its script's path, and the model is rebuilt from it (trained.load_trained). Its
+sections, in order: flags, the run directory, measuring, distributed, RNGs, models (trained.py:
+a trained one), checkpoints (save_checkpoint and CheckpointReader, then the bytes).
 """
 
 import argparse
@@ -67,9 +58,7 @@ UNMASKED_SDPA = "sdpa_unmasked"  # transformers' SDPA, no mask made for it (skip
 RUN = None  # the Run this process opened: what cli() tells, or cleans up, when a start fails
 
 
-# ----------------------------------------------------------------------------------------------
-# Flags: argparse types (each checks one flag as it is parsed) and check_args
-# ----------------------------------------------------------------------------------------------
+# --- Flags: argparse types (each checks one flag as it is parsed) and check_args --------------
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's, whose flags are declared in groups (group), those of the run's fingerprint
@@ -118,6 +107,14 @@ def finite(low, above=False, high=None, inf=False):
                 f"{f' and <= {high:g}' if high is not None else ''}, got {text}")
         return value
     return number
+
+
+def step_range(text):
+    """--profile-steps A:B: the steps A to B, 1 <= A <= B, as (A, B)."""
+    first, colon, last = text.partition(":")
+    if not (colon and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected A:B with 1 <= A <= B, e.g. 5:8")
+    return int(first), int(last)
 
 
 def torch_device(text):
@@ -183,11 +180,9 @@ SHIPPED = ("tokenizer", "model_name", "dataset", "val_dataset")
 
 def check_args(parser, args, local_paths, shipped):
     """What no single flag's type can check, before anything is written: the shipped files that
-    a copy of the kit lacks (all named in one paragraph), the run directory, flags against
-    each other. Local paths of ``local_paths`` become absolute: a run records where its files
-    are, so that it resumes, and generate.py finds its tokenizer, from any directory. A missing
-    --model-name is named only beside others: a model of your own may never read it (one that
-    does is refused where it reads it: pretrained)."""
+    a copy of the kit lacks (all in one paragraph; --model-name only beside others: DESIGN.md
+    section 1), the run directory, flags against each other. Local paths of ``local_paths``
+    become absolute: a run resumes, and generate.py finds its tokenizer, from anywhere."""
     missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
                and _local(getattr(args, name)) is None]
@@ -217,6 +212,9 @@ def check_args(parser, args, local_paths, shipped):
     if getattr(args, "optimizer", None) == "muon" and args.fsdp:
         parser.error("--optimizer muon with --fsdp: torch.optim.Muon orthogonalizes each whole "
                      "matrix, and FSDP gives each rank a shard of it. Train Muon without --fsdp.")
+    if getattr(args, "profile_steps", None) and args.profile_steps[1] > args.max_steps:
+        parser.error(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]} ends "
+                     f"after --max-steps {args.max_steps}: those steps never run")
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
                      "from --lr down to --min-lr")
@@ -238,16 +236,12 @@ def check_args(parser, args, local_paths, shipped):
         args.grad_accum = accum
 
 
-# ----------------------------------------------------------------------------------------------
-# The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs, cli
-# ----------------------------------------------------------------------------------------------
+# --- The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs, cli ------
 
 class Run:
-    """A run directory as this start sees it: ``dir``; ``state``, the run state (step, tokens,
-    the checkpoint to resume from, the config fingerprint, the script that trains it), which
-    goes into state.json and every checkpoint; and ``created``, the files and directories this
-    start made (a start that fails before training removes them: cli). Rank 0 makes the
-    directory, locks it and logs to its train.log."""
+    """A run directory as this start sees it: ``dir``; ``state``, the run state (state.json's,
+    and every checkpoint's); ``created``, what this start made (removed if it fails before
+    training: cli). Rank 0 makes the directory, locks it and logs to its train.log."""
 
     def __init__(self, exp_dir, rank):
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, [], None
@@ -270,11 +264,9 @@ class Run:
         log_to_file(exp_dir / "train.log", rank)
 
     def discard_after_checkpoint(self, args, ctx, loader, extra=()):
-        """Once the checkpoint has loaded: forget what a killed run did after it (later metrics,
-        debris of unfinished saves), so that metrics.jsonl holds every step once. From here on
-        a failure keeps the directory. --resume-from lets later checkpoints go: every rank
-        reads its data first (a changed shard fails). ``extra`` (train_llm.py's) may not take
-        a name of a file the kit writes."""
+        """Once the checkpoint has loaded: forget what a killed run did after it (DESIGN.md
+        section 3); from here on a failure keeps the directory. --resume-from: every rank reads
+        its data first (a changed shard fails). ``extra`` may not take a name the kit writes."""
         taken = [name for name in extra if name in (*KIT_STATES, "dcp", "state") or
                  name.startswith("rng-rank")]
         if taken:
@@ -294,8 +286,7 @@ class Run:
         if self.rank == 0:
             metrics = self.dir / "metrics.jsonl"
             if not self.state["checkpoint"] and metrics.exists() and metrics.stat().st_size:
-                # A start from scratch: what was logged (a user's, an earlier run's) is not its.
-                # Moved to metrics.jsonl.N (the first free N), and said: nothing it holds is cut.
+                # A start from scratch: what was logged is not its; moved aside, and said.
                 n = next(n for n in itertools.count(1)
                          if not (self.dir / f"metrics.jsonl.{n}").exists())
                 metrics.rename(self.dir / f"metrics.jsonl.{n}")
@@ -317,10 +308,9 @@ class Run:
 
 
 def open_run(args, parser, rank, world_size, script):
-    """The Run to train (fresh, or resumed from its checkpoint), or None if it is done: the
-    lock, train.log, the refusals of a changed flag of ``parser``'s fingerprint, where to resume
-    (DESIGN.md section 3). ``script``: the training script, recorded so that its create_model
-    rebuilds the model."""
+    """The Run to train (fresh, or resumed), or None if it is done: the lock, train.log (with
+    the environment), the refusals of a changed flag of ``parser``'s fingerprint, where to
+    resume (DESIGN.md section 3). ``script``: recorded, its create_model rebuilds the model."""
     global RUN
     logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
@@ -329,6 +319,7 @@ def open_run(args, parser, rank, world_size, script):
     for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
         signal.signal(signum, stop_at_once)
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
+    FILE_LOG.info(f"Environment: {environment()}")  # (train.log alone)
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
     config = {name: getattr(args, name) for name in parser.fingerprint}
@@ -339,8 +330,7 @@ def open_run(args, parser, rank, world_size, script):
         state = fresh_state(args, exp_dir, config)
     else:
         refuse_foreign_checkpoints(exp_dir, state)
-        # The checkpoint carries the config it was saved with: one copied in from another
-        # run (or another run's directory) is refused like a changed flag.
+        # The run's config, then its checkpoint's own (one copied in from elsewhere: refused).
         check_unchanged(args, parser, config, state["config"],
                         f"{exp_dir} was started", world_size)
         own = exp_dir / state["checkpoint"] / "state.json"
@@ -513,11 +503,23 @@ def log_to_file(path, rank):
     FILE_LOG.addHandler(handler)
 
 
+# What in the environment changes a run (train.log holds it): the names that begin with these.
+ENVIRONMENT = ("CUDA_", "NCCL_", "OMP_", "PYTORCH_", "TORCH_", "WANDB_", "TORCHELASTIC_", "RANK",
+               "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "ROLE_RANK")
+
+
+def environment():
+    """NAME=value of each variable of ENVIRONMENT; a secret's value left out (API_KEY=<set>)."""
+    return " ".join(f"{name}=" + ("<set>" if any(word in name.upper() for word in (
+        "KEY", "TOKEN", "SECRET", "PASSWORD")) else shlex.quote(value))
+        for name, value in sorted(os.environ.items()) if name.startswith(ENVIRONMENT))
+
+
 def start_wandb(flags, run_id, exp_dir):
-    """The Weights & Biases run of a run (``run_id``: resumed; None: a new one), ``flags`` (its
-    arguments, as a dict) its config. Offline mode (the default) needs no account: `wandb sync`
-    uploads the run later. A start that fails (no login, no network, a bad WANDB_* setting) is
-    an OSError that says what to do."""
+    """The Weights & Biases run of a run (``run_id``: resumed; None: a new one), ``flags`` (a
+    dict) its config. A start that fails (no login, no network, a bad WANDB_* setting) is an
+    OSError that says what to do."""
     import wandb
     try:
         return wandb.init(project=flags["wandb_project"], name=flags["experiment_name"],
@@ -628,9 +630,8 @@ class MetricsLog:
         self.send()
 
     def send(self):
-        """Every step's metrics to wandb, a log interval's at a time: each wandb.log waits for
-        wandb's own thread, which a busy CPU wakes late (a step's 3% on 2 cores). No None (MFU
-        on a CPU): wandb would import pandas to look at it, 70 MB of memory."""
+        """Every step's metrics to wandb, a log interval's at a time, no None (MFU on a CPU):
+        why, DESIGN.md section 6."""
         for metrics in self.unsent if self.wandb else ():
             if metrics["step"] > self.held:
                 self.wandb.log({k: v for k, v in metrics.items() if v is not None},
@@ -658,10 +659,8 @@ class MetricsLog:
 
 def stop_on_signals(loader):
     """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
-    step in flight finishes, a checkpoint is saved, and the process exits 0; alone, a loader
-    stuck on a read gives up its step (data.Prefetch's until). A second signal kills at once,
-    which is safe too: the last complete checkpoint stays loadable. (torchrun forwards SIGTERM
-    to every rank; the ranks agree on stopping at the same step, so none gives up alone.)"""
+    step in flight finishes, a checkpoint is saved, the process exits 0 (DESIGN.md section 7);
+    alone, a loader stuck on a read gives up its step. A second signal kills at once."""
     stop = threading.Event()
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         loader.until = stop
@@ -696,13 +695,9 @@ def rank_flags(stop, log_step, loader, device):
 
 
 def out_of_data(batches, step, args, ctx, loader):
-    """Whether some rank lacks a micro-batch of this step (only --epochs ends the data), or a
-    signal came while the loader hung on a read: then no step is taken.
-
-    With finite data ranks run out at different steps (their shards differ); all stop
-    together, or the others would wait forever in the next all-reduce. A new run whose data
-    ends before its first step is refused.
-    """
+    """Whether some rank lacks a micro-batch of this step (only --epochs ends the data: ranks
+    run out at different steps, and all stop together), or a signal came while the loader
+    hung on a read: then no step is taken. A new run out of data before its first is refused."""
     if getattr(loader, "interrupted", False):  # a signal while a read hung: no step to take
         LOGGER.warning(f"The signal came while the data loader waited on a read: saving step "
                        f"{step - 1}, the last one taken")
@@ -822,10 +817,9 @@ def peer_gone(error):
 
 
 def tell_torchrun(message, cause=True):
-    """Under torchrun, ``message`` into this rank's error file: torchrun's table of failures,
-    printed last, then shows it (the earliest as the root cause) instead of a link to its docs.
-    A rank stopped by another's failure dates its entry a second later (torchrun's timestamps
-    are whole seconds), so that it is never taken for the cause."""
+    """Under torchrun, ``message`` into this rank's error file, which torchrun's table of failures
+    shows (the earliest as the root cause); a rank stopped by another's failure dates its entry
+    a second later (torchrun's timestamps are whole seconds): never taken for the cause."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     when = str(int(time.time()) + (0 if cause else 1))
     if path:  # (the format of torch.distributed.elastic's ErrorHandler.record_exception)
@@ -848,9 +842,7 @@ def forget_failed_start():
             return
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring: time, garbage collection, memory, MFU
-# ----------------------------------------------------------------------------------------------
+# --- Measuring: time, garbage collection, memory, MFU, the profiler ---------------------------
 
 class Timer:
     """Adds up the wall-clock seconds that the training thread spends in ``with timer:``."""
@@ -869,18 +861,14 @@ class Timer:
 
 
 class GarbageCollection:
-    """Python's automatic GC runs whenever allocation counters say so: a random pause in a
-    random step (and, with many ranks, a straggler that every other rank waits for). We turn
-    it off and run a full collection ourselves every ``freq`` steps. Reference cycles
-    still get freed, just at a moment we choose.
-    """
+    """Python's automatic GC off (a pause in a random step; with many ranks, a straggler all
+    others wait for), and a full collection every ``freq`` steps instead."""
 
     def __init__(self, freq):
         self.freq = freq
         gc.disable()
         gc.collect()
-        # What exists now (the model, the optimizer, the libraries) lives for the whole run:
-        # freezing it keeps every later collection from scanning it again.
+        # What exists now lives for the whole run: frozen, no later collection scans it.
         gc.freeze()
 
     def step(self, step):
@@ -889,12 +877,8 @@ class GarbageCollection:
 
 
 def keep_freed_memory():
-    """glibc's malloc serves each block of 32 MiB or more (a batch's logits, their gradient)
-    from a fresh mmap and unmaps it when it is freed, so each CPU step would fault the same
-    memory in again, a zeroed page at a time (a quarter of the demo's CPU time, in the kernel).
-    Serve every block from the heap and keep what is freed there for the next step. The cost:
-    a peak RSS 7-18% higher, from blocks that no longer fit where a freed one was
-    (docs/benchmarks.md). No-op without glibc."""
+    """glibc: serve every block from the heap and keep what is freed there for the next step,
+    not mmap and unmap the big ones (faulted in again each step; DESIGN.md section 6)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None
     if mallopt:
         mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap
@@ -902,9 +886,8 @@ def keep_freed_memory():
 
 
 class Throughput:
-    """tokens/s and MFU (per GPU; None without a known peak) over the wall clock since the last
-    call, all of it (as nanoGPT and torchtitan count), the share of it spent waiting for data,
-    the seconds of the other ``timers`` (validation, checkpoints), and memory."""
+    """tokens/s and MFU (per GPU; None without a known peak) over all the wall clock since the
+    last call (DESIGN.md section 7), its share waiting for data, the ``timers``, and memory."""
 
     def __init__(self, timers, step, tokens_per_step, flops_per_token, ctx):
         name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
@@ -912,6 +895,9 @@ class Throughput:
         self.most = peak and peak * ctx.world_size / flops_per_token  # tokens/s at 100% MFU
         self.timers, self.tokens_per_step, self.device = timers, tokens_per_step, ctx.device
         self.step, self.start = step, time.perf_counter()
+        if ctx.device.type == "cuda":  # the peaks of training alone, from an empty cache
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(ctx.device)
 
     def metrics(self, step):
         now, spent = time.perf_counter(), {name: t.pop() for name, t in self.timers.items()}
@@ -977,13 +963,10 @@ def format_metrics(m):
 
 def flops_per_token(model, seq_length):
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM paper, appendix B).
-
-    6N: each of the N weights does a multiply-add (2 FLOPs) per token forward and twice that
-    backward. N leaves out the input embedding, a table lookup, unless it is tied to the
-    output layer (then it is also that layer's matmul). 12·L·H·Q·T: the attention scores
-    and their weighted sum, which grow with the sequence length T (L layers, H heads of size Q).
-    A model of your own without a transformers config counts 6N alone, N all its weights.
-    """
+    6N: a multiply-add per weight and token forward, twice that backward; N leaves out the input
+    embedding (a lookup) unless the output layer shares it. 12·L·H·Q·T: attention's scores and
+    weighted sum (L layers, H heads of size Q, T tokens). A model without a transformers config:
+    6N, N all its weights."""
     n = sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
@@ -997,9 +980,59 @@ def flops_per_token(model, seq_length):
     return 6 * n + 12 * config.num_hidden_layers * heads * head_dim * seq_length
 
 
-# ----------------------------------------------------------------------------------------------
-# Distributed helpers
-# ----------------------------------------------------------------------------------------------
+class Profiler(contextlib.AbstractContextManager):
+    """--profile-steps A:B: a torch.profiler trace of steps A to B per rank in RUN/profile/, and
+    in the log the mean time per step of the loop's record_function ranges (DESIGN.md section
+    7). ``with Profiler(...) as profiler:`` around the loop, ``profiler.step(step)`` as a step
+    begins: it warms up a step before A, writes the trace as B + 1 begins (or the loop ends)."""
+
+    def __init__(self, steps, run_dir, ctx):
+        self.first, self.last = steps or (0, -1)
+        self.dir, self.ctx, self.prof = Path(run_dir) / "profile", ctx, None
+
+    def step(self, step):
+        if self.prof is not None:
+            self.prof.step()
+            self.prof = self.prof if step <= self.last else None
+        elif self.first - 1 <= step <= self.last:
+            warmup = int(step < self.first)  # (a run resumed inside A..B records the rest)
+            self.steps = step + warmup, self.last
+            cuda = [torch.profiler.ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else []
+            self.prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, *cuda], on_trace_ready=self.write,
+                schedule=torch.profiler.schedule(wait=0, warmup=warmup, repeat=1,
+                                                 active=self.last - step + 1 - warmup))
+            self.prof.start()
+
+    def __exit__(self, error, *_):
+        if self.prof is not None and error is None:  # the loop ended inside A..B
+            self.prof.stop()
+
+    def write(self, prof):
+        """The trace, its writing timed on each rank; a barrier (30 minutes: a rank may be slow
+        to write); rank 0 logs each rank's seconds and the mean ms per step of each range."""
+        path = self.dir / "rank{}-steps{}-{}.json".format(self.ctx.rank, *self.steps)
+        start = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        seconds = [time.perf_counter() - start] * self.ctx.world_size
+        if self.ctx.distributed:
+            torch.distributed.monitored_barrier(self.ctx.cpu_group, datetime.timedelta(minutes=30))
+            torch.distributed.all_gather_object(seconds, seconds[0], group=self.ctx.cpu_group)
+        gpu, ranges = self.ctx.device.type == "cuda", {e.key: e for e in prof.key_averages()}
+        ranges["step"] = ranges.get("ProfilerStep*")  # (torch.profiler's range of each step)
+        table = [f"{'ms per step':12}{'host':>8}" + ("     GPU" if gpu else "")]
+        for phase in ("data", "forward", "backward", "update", "step"):
+            if ranges.get(phase):
+                times = [ranges[phase].cpu_time_total, ranges[phase].device_time_total][:1 + gpu]
+                table.append(f"{phase:12}" + "".join(
+                    f"{t / ranges['step'].count / 1e3:8.2f}" for t in times))
+        LOGGER.info(f"Profile of steps {self.steps[0]} to {self.steps[1]} in {self.dir}, written "
+                    "in " + ", ".join(f"{s:.2f} s (rank {r})" for r, s in enumerate(seconds)) +
+                    "\n" + "\n".join(table))
+
+
+# --- Distributed helpers ----------------------------------------------------------------------
 
 def die_with_parent():
     """Ask the kernel (Linux) to kill this rank with torchrun, whose ranks each run in a session
@@ -1013,12 +1046,8 @@ def die_with_parent():
 
 
 def deterministic():
-    """Deterministic CUDA kernels, so that a GPU run repeats (and resumes) to the bit.
-
-    cuBLAS needs a fixed workspace, set before its first use; the fast attention kernels
-    (flash, memory-efficient, cuDNN) add up in a varying order in backward, so attention falls
-    back to the math kernel. On an H100 that halved GPT-2-124M's throughput (README).
-    """
+    """Deterministic CUDA kernels (DESIGN.md section 3): cuBLAS's fixed workspace, set before
+    its first use; attention on the math kernel (the fast ones add up in a varying order)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     for kernel in ("flash", "mem_efficient", "cudnn"):
@@ -1091,10 +1120,8 @@ def plain_tensor(tensor):
 
 
 def join_process_group(backend, rank, world_size, dist_timeout, device):
-    """torch.distributed.init_process_group, under torchrun in a store prefix of this start's
-    own; a rank that cannot reach the others fails within ``dist_timeout`` seconds (30 at
-    least), so that torchrun restarts the group (DESIGN.md section 4). Until the first step
-    collectives wait 30 minutes (Run.step_taken shortens it)."""
+    """torch.distributed.init_process_group, bounded by ``dist_timeout`` (30 s at least) under
+    torchrun (DESIGN.md section 4). Until the first step collectives wait 30 minutes."""
     env = os.environ
     if "MASTER_ADDR" not in env:
         sys.exit("--fsdp needs torchrun: torchrun --nproc-per-node N train_llm.py ...")
@@ -1118,9 +1145,7 @@ def set_collective_timeout(timeout):
     _set_pg_timeout(timeout)
 
 
-# ----------------------------------------------------------------------------------------------
-# Random number generators
-# ----------------------------------------------------------------------------------------------
+# --- Random number generators -----------------------------------------------------------------
 
 def rng_state(device):
     """Every global RNG state, in types that torch.load(weights_only=True) accepts. On a GPU
@@ -1162,9 +1187,7 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])  # the current device's
 
 
-# ----------------------------------------------------------------------------------------------
-# Models: unwrap, the checks before training, a pretrained model (trained.py: a trained one)
-# ----------------------------------------------------------------------------------------------
+# --- Models: unwrap, the checks before training, a pretrained model (trained.py: a trained one) ---
 
 def unwrap(model):
     """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
@@ -1224,11 +1247,9 @@ def check_model(model, tokenizer, args, trained=None):
 
 
 def skip_mask_checks(model):
-    """transformers' models read the GPU twice a forward (the host waits): is the pad token in
-    input_ids (a warning), are the position_ids packed. The kit knows: its batches hold no
-    padding to mask, and bring position_ids exactly when packed (forward passes packed_mask).
-    So a model on SDPA with a plain causal mask runs that SDPA under a name no mask is made
-    for, and names no pad token. Other models (a sliding window, say) keep their checks."""
+    """Skip the two reads of the GPU that transformers makes each forward (padding, packing;
+    DESIGN.md section 7): a model on SDPA with a plain causal mask runs that SDPA under a name
+    no mask is made for, and names no pad token. Other models keep their checks."""
     config = getattr(model, "config", None)
     layers = getattr(config, "layer_types", None) or (
         ["sliding_attention"] if getattr(config, "sliding_window", None) else ["full_attention"])
@@ -1298,9 +1319,8 @@ def damaged(ckpt_dir, path, error, resume=False):
 
 def pretrained(cls, name, what, **kwargs):
     """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
-    directory nor a Hub name that loads. A name that can only be a path (absolute, ./, ~, more
-    than one /, or a first part that is a local directory: outputs/mistyped) is not sent to
-    the Hub: it would only wait for the network to fail."""
+    directory nor a Hub name that loads. A name that can only be a path (only_a_path) is not
+    sent to the Hub: it would only wait for the network to fail."""
     if only_a_path(name):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
                                 f"{os.getcwd()}; a name that begins with a directory there is "
@@ -1327,9 +1347,7 @@ def only_a_path(name):
                                          name.count("/") > 1 or os.path.isdir(name.split("/")[0]))
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: the bytes written, and read back (layout: DESIGN.md section 3)
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoints: the bytes written, and read back (layout: DESIGN.md section 3) --------------
 
 def load(path, device):
     # weights_only: a checkpoint is data, and unpickling arbitrary objects could run code.
@@ -1345,12 +1363,9 @@ def _fsync_dir(path):
 
 
 class DirectFile:
-    """A file opened for writing that bypasses the page cache (O_DIRECT): writes gather in two
-    reused, page-aligned buffers, which a helper thread writes in turn (os.write lets go of the
-    GIL); the last block is padded with zeros and the file truncated back. ``open`` falls back
-    to an ordinary file where O_DIRECT is refused, and a write refused for its alignment goes on
-    through the page cache. Why (kernel CPU a buffered write costs): DESIGN.md section 3.
-    """
+    """A file written past the page cache (O_DIRECT; how and why: DESIGN.md section 3): two
+    page-aligned buffers, which a helper thread writes in turn; the last block padded with
+    zeros and the file truncated back. Where O_DIRECT is refused: the page cache."""
 
     BLOCK, CHUNK = 4096, 8 << 20
 
@@ -1498,10 +1513,9 @@ KIT_STATES = ("model", "optimizer", "lr_scheduler")  # NAME.pt in a checkpoint (
 
 
 def checkpoint_writer(mode, ctx):
-    """What writes the checkpoints (--checkpoint-writer): a background thread (BackgroundWriter),
-    or the training thread itself (sync); auto: the background on a GPU, sync on a CPU, whose
-    training threads use every core (DESIGN.md section 3). The writer's barriers run on a gloo
-    group of their own: collectives from another thread must not interleave with the loop's."""
+    """What writes the checkpoints (--checkpoint-writer; auto: DESIGN.md section 3): a thread
+    (BackgroundWriter), whose barriers run on a gloo group of their own (collectives from
+    another thread must not interleave with the loop's), or this one (sync)."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
         group = torch.distributed.new_group(backend="gloo",
@@ -1539,10 +1553,9 @@ def save_checkpoint(run, files, writer, keep, rank):
 
 
 class CheckpointReader:
-    """The files of the checkpoint a run resumes from (``with CheckpointReader(run, ctx) as
-    ckpt:``). A file that does not load ends the run in one paragraph that names it and the
-    older checkpoint to go on from; a file that loads but does not fit the model is said to be
-    that, never damage; a loader state of other data arguments names the flag."""
+    """The checkpoint a run resumes from (``with CheckpointReader(run, ctx) as ckpt:``). A file
+    that does not load is one paragraph that names it and the older checkpoint to go on from;
+    one that loads but does not fit is never called damaged; other data arguments: the flag."""
 
     def __init__(self, run, ctx):
         self.run, self.ctx = run, ctx
@@ -1577,10 +1590,8 @@ class CheckpointReader:
                     f"skipped or repeated; {report}")
 
     def load_extras(self, names):
-        """The states of your own saved as NAME.pt (extra in train_llm.py). One that ``names``
-        has and the checkpoint lacks (saved before it was added) is refused by name; one the
-        checkpoint holds that ``names`` lacks (the script that saved it had it) is named in a
-        warning."""
+        """The states of your own saved as NAME.pt (extra in train_llm.py). One of ``names`` that
+        the checkpoint lacks is refused by name; one it holds that ``names`` lacks, a warning."""
         missing = [name for name in names if not (self.dir / f"{name}.pt").exists()]
         if missing:
             sys.exit(f"Cannot resume from {self.dir}: it holds no {missing[0]}.pt, the training "
@@ -1635,11 +1646,9 @@ def first_line(error):
 
 
 def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
-    """Write ``files`` ({name: object}) as checkpoints/step-NNNNNN, point state.json at it,
-    then delete all but the newest ``keep`` of the run's own checkpoints. Order is everything:
-    a kill at any instant leaves state.json naming a complete checkpoint (DESIGN.md section 3).
-    Every rank calls it with its own files; a value that is a function is called with its path
-    (dcp.save, which all ranks run together)."""
+    """Write ``files`` ({name: object}; a function is called with its path: dcp.save) as
+    checkpoints/step-NNNNNN, point state.json at it, then delete all but the newest ``keep`` of
+    the run's own checkpoints, in the order that DESIGN.md section 3 gives. Every rank calls it."""
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -1657,11 +1666,9 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
     barrier()
     state = {**state, "checkpoint": str(final.relative_to(exp_dir))}
     if rank == 0:
-        # The checkpoint carries the run state it belongs to, so a run directory whose
-        # state.json is lost or torn can still be resumed from its checkpoints alone.
+        # Its own run state: a run whose state.json is lost or torn resumes from it alone.
         _write_file(tmp / "state.json", lambda f: f.write(json.dumps(state, indent=2).encode()))
-        # A directory of this name can only be left over from a killed run that never got to
-        # name it in state.json; nothing points to it.
+        # (one of this name is left by a killed save that state.json never named)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
@@ -1669,8 +1676,7 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
         own = {s: d for s, d in _step_dirs(exp_dir).items()
                if saved_by(d)[0] == state.get("run_id")}  # never another run's
         for _, old in sorted(own.items())[:-keep]:
-            # Deleting 1.3 GB took 0.2 s here (a disk mounted with discard): renamed out of
-            # the way at once, deleted by a helper thread (or, if killed, by the next start).
+            # Renamed at once, deleted by a thread: 1.3 GB took 0.2 s on a disk with discard.
             gone = old.with_name(old.name + ".deleted")
             os.rename(old, gone)
             threading.Thread(target=shutil.rmtree, args=(gone, True)).start()  # (exit waits)
@@ -1678,10 +1684,8 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
 
 
 class BackgroundWriter:
-    """Writes checkpoints off the training path, one at a time (DESIGN.md section 3): ``submit``
-    stages ``files`` and calls ``write(staged)`` in a thread; a write that fails is raised in
-    the training thread at the next ``check()`` or ``wait()``. ``sync=True``: no thread, no
-    copies; ``submit`` writes the live objects before it returns."""
+    """Writes checkpoints off the training path, one at a time (DESIGN.md section 3); a write
+    that fails is raised at the next ``check()`` or ``wait()``. ``sync=True``: no thread."""
 
     def __init__(self, sync=False, pin_memory=False, group=None, log=print):
         # torch's stager keeps the CPU copies (pinned on CUDA) from one save to the next, keyed
@@ -1709,8 +1713,7 @@ class BackgroundWriter:
             return
         if torch.__version__ < "2.13":  # torch 2.11's stager empties itself after each stage
             self.stager = DefaultStager(self.options)
-        # The stager copies plain Python slowly (a loader state: 0.7 s, where json.dumps takes
-        # 0.03 s): JSON files go as their text. (On CUDA stage() waits for the copies.)
+        # JSON files go as text: the stager copies Python slowly (a loader state: 0.7 s, not 0.03).
         staged = self.stager.stage({name: json.dumps(obj) if name.endswith(".json") else obj
                                     for name, obj in files.items()})
         held, now = time.perf_counter() - start, time.perf_counter()
@@ -1746,10 +1749,8 @@ class BackgroundWriter:
 
 
 def run_state(exp_dir, resume_from=None):
-    """(the run state to resume from, or None to start afresh; why, for the log): state.json's,
-    or the newest complete checkpoint's own copy where state.json is lost, torn or behind
-    (DESIGN.md section 3); ``resume_from`` picks an older one on purpose. Nothing is deleted
-    here: a state that cannot be found is a refusal, never a fresh start."""
+    """(the run state to resume from, or None to start afresh; why, for the log), as DESIGN.md
+    section 3 says; ``resume_from`` picks an older one. A state not found is a refusal."""
     complete = _step_dirs(exp_dir, complete=True)
     if resume_from:
         path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it

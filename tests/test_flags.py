@@ -54,6 +54,12 @@ def test_counts_and_mix_weights_are_checked_by_the_parser(argv, words, capsys):
     (["--seed", "99999999999999"], "--seed: must be at least 0 and at most 4294967295"),
     (["--dist-timeout", "nan"], "--dist-timeout: must be a finite number > 0"),
     (["--dist-timeout=-1"], "--dist-timeout: must be a finite number > 0"),
+    (["--profile-steps", "5"], "--profile-steps: '5': expected A:B"),
+    (["--profile-steps", "a:b"], "--profile-steps: 'a:b': expected A:B"),
+    (["--profile-steps", "0:3"], "with 1 <= A <= B"),
+    (["--profile-steps", "5:3"], "with 1 <= A <= B"),
+    (["--profile-steps", "2.5:3"], "expected A:B"),
+    (["--profile-steps", "5:8", "--max-steps", "6"], "5:8 ends after --max-steps 6"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
