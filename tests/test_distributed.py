@@ -23,7 +23,7 @@ from helpers import (
     ENV,
     ID_OF,
     ROOT,
-    Take,
+    Count,
     assert_same_weights,
     consumed,
     corpus_args,
@@ -89,7 +89,7 @@ def test_reshard_trains_every_document_exactly_once(tmp_path_factory, p):
             if states is not None:
                 report = data.reshard(pipe, states)
                 assert report["old_world_size"] == len(states)
-            for batch in pipe if last else Take(pipe, next(cuts)):
+            for batch in pipe if last else Count(pipe, next(cuts)):
                 emitted += batch["input_ids"].flatten().tolist()
             new_states.append(json.loads(json.dumps(pipe.state_dict())))
             pipe.close()
@@ -195,7 +195,7 @@ def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world,
         states = []
         for r in range(world):
             pipe = pipeline(urls, r, world, p)
-            for _ in Take(pipe, cut):
+            for _ in Count(pipe, cut):
                 pass
             states.append(pipe.state_dict())
             pipe.close()
@@ -205,8 +205,8 @@ def test_reshard_to_the_same_world_size_is_exact(tmp_path_factory, sizes, world,
 
 
 def test_reshard_refuses_stages_it_cannot_split():
-    pipe = Take(data.Files(str(ROOT / "data/sample/prose/val-*.jsonl")), 3)
-    with pytest.raises(ValueError, match="Take"):
+    pipe = Count(data.Files(str(ROOT / "data/sample/prose/val-*.jsonl")), 3)
+    with pytest.raises(ValueError, match="Count"):
         data.reshard(pipe, [pipe.state_dict()])
 
 

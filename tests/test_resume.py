@@ -18,8 +18,8 @@ import zstandard
 from helpers import (
     LETTERS,
     Chunk,
+    Count,
     Sequence,
-    Take,
     examples,
     records_per_split,
     run_with_cuts,
@@ -164,7 +164,7 @@ def test_random_pipelines_resume_exactly(p, cuts):
 @given(n=st.integers(0, 12), repeat=st.booleans(), shuffle=st.booleans(), take_n=st.integers(0, 30),
        cuts=st.lists(st.integers(0, 30), min_size=1, max_size=3))
 def test_sequence_take_resume_exactly(n, repeat, shuffle, take_n, cuts):
-    make = lambda: Take(Sequence(range(n), repeat=repeat, shuffle=shuffle, seed=7), take_n)  # noqa: E731
+    make = lambda: Count(Sequence(range(n), repeat=repeat, shuffle=shuffle, seed=7), take_n)  # noqa: E731
     straight = list(make())
     out, pipe = [], make()
     for cut in sorted(cuts):

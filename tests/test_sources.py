@@ -29,7 +29,7 @@ import torch
 import zstandard
 from helpers import (
     ROOT,
-    Take,
+    Count,
     examples,
     global_step,
     last_step,
@@ -750,7 +750,7 @@ def test_a_hub_name_is_streamed(tmp_path, monkeypatch):
     for spec in ["tatsu-lab/alpaca", "someone/corpus:test"]:
         source = data.source(spec, train=True)
         assert isinstance(source, HFDataset) and source.streaming
-        assert [r["doc"] for r in Take(source, 7)] == [0, 1, 2, 3, 4, 0, 1]  # repeats
+        assert [r["doc"] for r in Count(source, 7)] == [0, 1, 2, 3, 4, 0, 1]  # repeats
     data.source("tatsu-lab/alpaca", train=False)  # --val-dataset
     assert calls == [("tatsu-lab/alpaca", "train", True), ("someone/corpus", "test", True),
                      ("tatsu-lab/alpaca", "validation", True)]
