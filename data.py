@@ -6,8 +6,7 @@ the same arguments that calls ``load_state_dict(s)`` yields exactly the items th
 would have yielded next. States are plain JSON. Sources resume by seeking, never by replaying.
 A pipeline of them: README.md, "Using data.py on its own"; train_llm.py's is build_pipeline.
 
-The file reads top to bottom in the order a sample meets the stages; a banner opens each
-section, naming what it holds.
+The file reads top to bottom in the order a sample meets the stages, a banner per section.
 """
 
 import array
@@ -46,8 +45,7 @@ import smart_open
 import torch
 
 log = logging.getLogger("data")
-# Tokenize's threads run the tokenizer: the backend's own pool stays off, set before any
-# tokenizer is loaded or called (DESIGN.md section 6).
+# Tokenize's threads run the tokenizer: its own pool stays off (DESIGN.md section 6).
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
@@ -56,9 +54,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # ----------------------------------------------------------------------------------------------
 
 class Stage:
-    """What every stage shares: iteration, close(), the state of a stage without state of its
-    own, and the ``config`` check: a state saved under other arguments is refused. How a stage
-    with state of its own overrides it: DESIGN.md section 2, rules 5-7."""
+    """What every stage shares: iteration, close(), a stateless default, the config check
+    (DESIGN.md section 2, rules 5-7)."""
 
     src = None
     config = {}
@@ -79,17 +76,17 @@ class Stage:
         self._load(state)
 
     def reshard_state(self, olds, ctx):
-        """This rank's state, merged from ``olds`` (this stage's states of an earlier run's ranks,
-        in rank order; ``ctx``: reshard's Resharding). The default: a stage without state."""
+        """This rank's state from ``olds``, the old ranks' (DESIGN.md section 4): stateless here."""
         if self.src is None or {key for old in olds for key in old} - {"config", "upstream"}:
             raise ValueError(f"reshard: the state of {type(self).__name__} cannot be split "
                              "across ranks")
         return self._state(upstream=self._reshard_upstream(olds, ctx))
 
     def close(self):
-        """Stop background work here and upstream. Safe to call twice."""
-        if self.src is not None:
-            self.src.close()
+        """Stop background work here and upstream (all of a Mix's). Safe to call twice."""
+        for upstream in getattr(self, "pipelines", [self.src]):
+            if upstream is not None:
+                upstream.close()
 
     def _check_config(self, saved, ignore=()):
         for key in sorted(set(saved) | set(self.config)):
@@ -100,8 +97,7 @@ class Stage:
                     "Resume with the arguments of the run that saved it.")
 
     def _state(self, **fields):
-        """The config, the stage's own ``fields``, then the upstream state (``upstream=``: that
-        of a stage's last item handed out, when it works ahead). DESIGN.md section 2, rule 6."""
+        """The config, the stage's own ``fields``, the upstream's (DESIGN.md section 2, rule 6)."""
         state = {"config": self.config, **fields}
         if self.src is not None and "upstream" not in state:
             state["upstream"] = self.src.state_dict()
@@ -135,8 +131,7 @@ class FilesChanged(ConfigMismatch):
 
 
 def _rng_to_json(rng):
-    """A random.Random's state as JSON-able lists. (Not utils.rng_state, which saves the
-    global RNGs of torch, numpy and Python for a checkpoint.)"""
+    """A random.Random's state as JSON-able lists (not utils.rng_state: a checkpoint's RNGs)."""
     version, internal, gauss = rng.getstate()
     return [version, list(internal), gauss]
 
@@ -159,8 +154,7 @@ TOKEN_FORMATS = ("nanogpt", "llmc", "npy")  # token files' layouts (section 10),
 
 
 def shard_format(url):
-    """"jsonl", "parquet", "text", "tokens" or "cbor" from a shard's name (compression suffix
-    aside), else None."""
+    """A shard's format by its name: "jsonl", "parquet", "text", "tokens", "cbor", else None."""
     name = url.split("?")[0]
     for suffix in _COMPRESSED:
         name = name.removesuffix(suffix)
@@ -168,8 +162,7 @@ def shard_format(url):
 
 
 def expand_urls(urls):
-    """Brace patterns, local globs and directories -> a sorted-as-given list of URLs, each once.
-    A local path that exists is that file, whatever its name (``x[1].jsonl``), not a pattern."""
+    """Brace patterns, local globs and directories -> a list of URLs, each once (DESIGN.md 10)."""
     out = []
     for pattern in [urls] if isinstance(urls, str) else urls:
         literal = "://" not in pattern and os.path.isfile(pattern)
@@ -205,9 +198,7 @@ class SplitError(ValueError):
 
 
 class Shards:
-    """What the shards of a Files are: their kind, how to open them (smart_open), how they are
-    cut into input splits (DESIGN.md section 4), and how a split becomes records. Its caches
-    are derived from the files and never saved; Files keeps the books of reading them."""
+    """A Files' shards: kinds, opening, splits (DESIGN.md 4), records (its caches: never saved)."""
 
     def __init__(self, urls, *, format=None, transport_params=None, retry=None,
                  required_fields=(), tokenizer=None):
@@ -218,15 +209,12 @@ class Shards:
         self._kinds, self._arrays, self._bases, self._layouts = {}, {}, {}, {}
 
     def split(self, n_slots, world_size):
-        """(plan, the input splits (url, start, end) in order): at least one split for each of
-        ``n_slots`` slots, or SplitError."""
+        """(plan, the input splits (url, start, end)): at least one a slot, or SplitError."""
         plan = self.plan(n_slots)
-        if plan is None:
-            splits = [(url, 0, None) for url in self.urls]
-        else:
-            splits = [(url, units * j // n, units * (j + 1) // n) if units is not None
-                      else (url, 0, None) for url, (units, n) in zip(self.urls, plan)
-                      for j in range(n)]  # (n contiguous ranges; a shard without units: 1)
+        cuts = plan or [[None, 1]] * len(self.urls)  # (no plan: every shard whole)
+        splits = [(url, units * j // n, units * (j + 1) // n) if units is not None
+                  else (url, 0, None) for url, (units, n) in zip(self.urls, cuts)
+                  for j in range(n)]  # (n contiguous ranges; a shard without units: 1)
         if len(splits) < n_slots:
             raise self.too_few_splits(len(splits), n_slots, world_size)
         return plan, splits
@@ -253,14 +241,12 @@ class Shards:
         self._arrays = {url: records for url, records in self._arrays.items() if url in urls}
 
     def plan(self, n_slots):
-        """How the shards are cut: None (each shard is one split), or [units, splits] per shard:
-        with fewer shards than slots, into n_slots splits of about equal size (DESIGN.md 4)."""
+        """None (a split per shard), or [units, splits] per shard: n_slots splits (DESIGN.md 4)."""
         if len(self.urls) >= n_slots:
             return None
         sizes, units, caps = zip(*(self.measure(url) for url in self.urls))
         counts = [1] * len(self.urls)
-        for _ in range(n_slots - len(self.urls)):
-            # D'Hondt: the next split goes to the shard whose splits are the largest now.
+        for _ in range(n_slots - len(self.urls)):  # D'Hondt: to the largest splits' shard
             growable = [i for i in range(len(counts)) if counts[i] < caps[i]]
             if not growable:
                 break
@@ -277,7 +263,11 @@ class Shards:
                 with self.open(url) as f:
                     groups = _parquet_file(f, url, self.required_fields).num_row_groups
                     return f.seek(0, os.SEEK_END), groups, max(1, groups)
-            size = _size(url, self.open)
+            if "://" in url:
+                with self.open(url) as f:
+                    size = f.seek(0, os.SEEK_END)
+            else:
+                size = os.path.getsize(url)
             if kind == "array":
                 return size, len(self.array(url)), math.inf
             if kind == "tokens":
@@ -310,13 +300,11 @@ class Shards:
         return f
 
     def kind(self, url):
-        """"parquet", "text", "jsonl", "tokens", "cbor", or "array" for a .json file of one
-        JSON array."""
+        """"parquet", "text", "jsonl", "tokens", "cbor", or "array" (a .json of one array)."""
         if (kind := self._kinds.get(url)) is not None:  # asked for every record: cached
             return kind
-        if (self.format or shard_format(url)) in ("parquet", "text", "tokens", "cbor",
-                                                  *TOKEN_FORMATS):
-            kind = self.format or shard_format(url)
+        if (kind := self.format or shard_format(url)) in ("parquet", "text", "tokens", "cbor",
+                                                          *TOKEN_FORMATS):
             self._kinds[url] = "tokens" if kind in TOKEN_FORMATS else kind
             if self._kinds[url] == "tokens":  # its header too, as a JSON array's first byte
                 self.tokens(url)
@@ -330,15 +318,13 @@ class Shards:
         return self._kinds[url]
 
     def array(self, url):
-        """The records of a JSON-array shard, parsed whole once (such files are small: they
-        can only be parsed whole) and shared by its splits while slots read it."""
+        """A JSON-array shard's records, parsed whole once, shared by its splits while read."""
         if url not in self._arrays:
             with self.open(url) as f:
                 try:
-                    records = json.load(f)
+                    self._arrays[url] = json.load(f)
                 except ValueError as e:
                     raise DataError(f"shard {url}: not valid JSON: {e}") from e
-            self._arrays[url] = records
         return self._arrays[url]
 
     def tokens(self, url):
@@ -352,8 +338,7 @@ class Shards:
         return self._layouts[url]
 
     def reader(self, slot):
-        """A generator of (line or record, where the next one starts) over the slot's split,
-        from where the slot is (it reads a copy of the slot, as it was when opened)."""
+        """(line or record, where the next one starts) of the slot's split, from a copy of it."""
         slot, kind = _saved(slot), self.kind(slot["url"])
         if kind == "parquet":
             return _read_row_groups(slot, self.open, self.required_fields)
@@ -366,8 +351,7 @@ class Shards:
         return _read_lines(slot, self.open)  # JSON Lines and text: lines
 
     def record(self, data, slot, check):
-        """The record in what a reader gave (None for a blank line), checked; a bad one
-        raises BadRecord, data that no record can mend DataError, naming shard and line."""
+        """The record in what a reader gave (None: a blank line), checked (DESIGN.md 5)."""
         kind, where = self.kind(slot["url"]), f"shard {slot['url']}"
         if kind == "tokens":  # ids, checked by their reader
             return data
@@ -381,31 +365,25 @@ class Shards:
             if kind == "jsonl" and not data.endswith(b"\n"):  # not a record yet: not skipped
                 raise DataError(f"{where}, {self.position(slot)}: its last line has no newline "
                                 "and is no whole record: the file is still being written, or "
-                                "was cut short. Wait until it is complete, or mend its end, "
-                                "and rerun") from e
+                                "was cut short; rerun once it is whole, or mend its end") from e
             raise BadRecord(f"{where}, {self.position(slot)}: bad record: "
                             f"{type(e).__name__}: {e}") from e
 
     def position(self, slot):
-        """The line (row, record) of the shard that the slot read last, counted from the
-        shard's start: a split that starts inside it counts the lines before it, once."""
+        """The line (row, record) the slot read last, counted from the shard's start, once."""
         url, start = slot["url"], slot["start"]
         if "index" in slot or "token" in slot or "last_at" in slot:
             return (f"token {slot['token']}" if "token" in slot else
                     f"record {slot.get('index', slot['line'])}")
         if start and (url, start) not in self._bases:
-            def count():
-                return _lines_before(slot, self.open, self.required_fields)
+            count = functools.partial(_lines_before, slot, self.open, self.required_fields)
             self._bases[url, start] = self.retry.run(url, "counting lines", count)
         line = self._bases.get((url, start), 0) + slot["line"]
         return f"row {line}" if "row_group" in slot else f"line {line}"
 
 
 class Files(Stage):
-    """Shards (DESIGN.md section 10) read by a round-robin over ``n_active_shards`` *slots*,
-    each reading its own input splits, epoch after epoch; rank r of W reads only slots s = r
-    (mod W) (DESIGN.md section 4). A record failing ``required_fields`` or ``check`` is a bad
-    record, named with shard and line (``skip_bad_records`` skips it)."""
+    """Shards read round-robin by ``n_active_shards`` slots (DESIGN.md sections 4, 5 and 10)."""
 
     def __init__(self, urls, *, repeat=False, epochs=None, shuffle_shards=False, seed=0,
                  n_active_shards=1, skip_bad_records=False, required_fields=(), check=None,
@@ -427,19 +405,16 @@ class Files(Stage):
         self.shards = Shards(self.urls, format=format, transport_params=transport_params,
                              retry=self._retry, required_fields=required_fields,
                              tokenizer=tokenizer)
-        # Splits that own no line (row, record): later epochs pass them without opening them.
-        # Derived from the files, never saved.
-        self._empty = set()
+        self._empty = set()  # splits that own no line: passed unopened later (never saved)
         self.plan, self.splits = self.shards.split(n_active_shards, world_size)
         self._order = (None, None)  # (epoch, split order) of the last split opened
         self.config = {"urls": self.urls, "repeat": repeat, "epochs": self.epochs,
                        "shuffle_shards": shuffle_shards, "seed": seed,
                        "n_active_shards": n_active_shards, "rank": rank,
                        "world_size": world_size, "format": format, "split_plan": self.plan}
-        # Open slots: "pos" in the endless sequence of splits, the split, where the next record
-        # starts, lines and records read (DESIGN.md section 2, the Files row).
-        self.slots = [self._slot(s) for s in range(rank, n_active_shards, world_size)]
-        self.slots = [slot for slot in self.slots if slot is not None]
+        # The open slots: "pos" in the endless sequence of splits (DESIGN.md section 2, Files)
+        self.slots = [slot for s in range(rank, n_active_shards, world_size)
+                      if (slot := self._slot(s)) is not None]
         self.turn = 0         # which slot gives the next record
         self.skipped = 0      # bad records skipped (only with skip_bad_records)
         self._files = [None] * len(self.slots)  # readers of the open splits; never in the state
@@ -479,8 +454,7 @@ class Files(Stage):
             if self.slots[self.turn]["pos"] // len(self.splits) > current:
                 self.turn += 1  # done with this epoch: it waits until every slot is
                 continue
-            record = self._read(self.turn)
-            if record is not None:
+            if (record := self._read(self.turn)) is not None:
                 self.turn += 1
                 return record
             if (empty := self._next_split(self.turn)) is not None:
@@ -523,8 +497,7 @@ class Files(Stage):
         """The next record of slot i, or None at the end of its split."""
         slot = self.slots[i]
         if slot["line"] == 0 and (slot["url"], slot["start"], slot["end"]) in self._empty:
-            # One long line cut into 8 splits leaves 7 that own no line start; opening each,
-            # every epoch, read the rest of that line to find one.
+            # (As 7 of 8 splits of one long line: reopened, each read the line's rest every epoch.)
             return None
         self.shards.kind(slot["url"])  # known before the retries, which must not nest
         while (item := self._retry.next(self._files, i, slot, self.shards.reader)) is not None:
@@ -553,7 +526,6 @@ class Files(Stage):
         _check_files(saved.get("urls", []), saved.get("split_plan"), self.urls, self.plan)
 
     def state_dict(self):
-        # Tokenize takes one after every record: only the slot that read since is saved anew.
         self._saved = {s["pos"]: self._saved.get(s["pos"]) or _saved(s) for s in self.slots}
         return self._state(epoch=self._reading, turn=self.turn, skipped=self.skipped,
                            slots=list(self._saved.values()))
@@ -588,9 +560,7 @@ class Files(Stage):
 
 
 class _Standby:
-    """The splits Files opens next (``n`` of them), opened and their first ``n_prefetch``
-    records read on threads while the open ones are read: a slot that moves on finds its reader
-    ready (epochraft's standby shards). Only when a reader is opened changes, never the data."""
+    """The next ``n`` splits of Files, opened on threads (standby shards: DESIGN.md section 2)."""
 
     def __init__(self, files, n, n_prefetch, timeout):
         self.files, self.n, self.n_prefetch, self.timeout = files, n, n_prefetch, timeout
@@ -613,8 +583,7 @@ class _Standby:
                 self.pending[pos] = self._pool.submit(self._open, slot)
 
     def take(self, slot):
-        """The reader of ``slot`` if it stands by; None: Files opens it, with its retries (a
-        fault here, or a standby slower than ``timeout``, is left to them)."""
+        """The reader of ``slot`` if it stands by within ``timeout``, else None (DESIGN.md 2)."""
         future, ready = self.pending.pop(slot["pos"], None), None
         try:
             ready = future and _chained(*future.result(self.timeout))
@@ -643,8 +612,7 @@ def _close_reader(future):
 
 
 def _check_files(old, old_plan, new, plan):
-    """Refuses a saved state of Files whose shards (``old``, cut by ``old_plan``) are not
-    those it reads now (``new``, ``plan``): FilesChanged, saying what changed."""
+    """FilesChanged, saying what, if the shards (``new``, ``plan``) are not those of the state."""
     if old != new:
         added, gone = [u for u in new if u not in old], [u for u in old if u not in new]
         raise FilesChanged(
@@ -654,14 +622,12 @@ def _check_files(old, old_plan, new, plan):
             ("" if added or gone else "; the same ones in another order"))
     if old_plan != plan:
         plans = zip(new, old_plan or [None] * len(new), plan or [])
-        raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed "
-                           "size since the state was saved (they are cut into splits by "
-                           "their sizes)")
+        raise FilesChanged(f"shard(s) {_few([u for u, a, b in plans if a != b])} changed size "
+                           "since the state was saved (they are cut into splits by their sizes)")
 
 
 def _split_order(n, seed, epoch, shuffled):
-    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as
-    they are."""
+    """The order in which an epoch reads ``n`` splits: shuffled by (seed, epoch), or as is."""
     order = list(range(n))
     if shuffled:
         random.Random(f"{seed}-{epoch}").shuffle(order)
@@ -669,8 +635,7 @@ def _split_order(n, seed, epoch, shuffled):
 
 
 def _rank_splits(splits, slots, n_slots, shuffled):
-    """The splits that ``slots`` (a rank's) can ever be given: all of them with shuffled
-    epochs, else the fixed cycle of positions s, s + S, ... of its slots."""
+    """The splits a rank's ``slots`` can ever be given: all if shuffled, else a fixed cycle."""
     if shuffled:
         return set(splits)
     return {splits[(slot["pos"] + k * n_slots) % len(splits)]
@@ -692,8 +657,7 @@ def _few(urls):
 
 
 def _saved(slot):
-    """A slot as its state holds it: the line (row, record) read last only as its crc32
-    ("last", "last_row"), computed here, not for every line. Reopening reads this too."""
+    """A slot as its state (and a reopened reader) holds it: the line read last as its crc32."""
     slot = dict(slot)
     if "_row" in slot:
         slot["last_row"] = _row_crc(slot.pop("_row"))
@@ -708,8 +672,7 @@ def _row_crc(record):
 
 
 def _check_formats(urls, format):
-    """Refuses shards whose format Files cannot tell, or cannot read (a compressed Parquet): a
-    DataError that names the argument and the train_llm.py flag that say the format."""
+    """Refuses shards whose format Files cannot tell or read (a compressed Parquet), by name."""
     if format not in (None, "jsonl", "parquet", "text", "cbor", *TOKEN_FORMATS):
         raise ValueError(f"format={format!r}: pass 'jsonl', 'parquet', 'text', 'cbor', one of "
                          f"{TOKEN_FORMATS} or None (by suffix)")
@@ -729,9 +692,7 @@ def _check_formats(urls, format):
 
 
 def _parse(data, kind, required_fields, check):
-    """A record from what a reader gave (a line of JSON Lines or text, a Parquet row, a JSON
-    array's element), checked; a bad one raises ValueError."""
-    # A BOM opening a text line (a file's first, from Windows tools) is no text, as in JSON.
+    """A checked record from what a reader gave (a line, a row, an element); bad: ValueError."""
     record = (_json_line(data) if kind == "jsonl" else
               {"text": data.decode().rstrip("\r\n").removeprefix("\ufeff")} if kind == "text"
               else data)
@@ -749,8 +710,7 @@ _JSON = json.JSONDecoder()
 
 
 def _json_line(line):
-    """json.loads(line), without its detection of the encoding at every call (3 µs of about 9
-    per short line, with the GIL held). A line with a BOM (or UTF-16/32) still takes loads."""
+    """json.loads(line) without its detection of the encoding every call (DESIGN.md section 6)."""
     if line.startswith(b"\xef\xbb\xbf") or b"\0" in line[:4]:
         return json.loads(line)
     return _JSON.decode(line.decode("utf-8", "surrogatepass"))
@@ -772,23 +732,20 @@ def _where(slot):
 
 # -- Files' readers: generators of (line or record, where the next one starts) -----------------
 # Each reads one split from where its slot is; ``open_shard(url, at)`` opens a shard at ``at``.
-# A line longer than MAX_LINE_BYTES is refused unread: one without an end would take all memory.
-MAX_LINE_BYTES = 256 << 20
+MAX_LINE_BYTES = 256 << 20  # a longer line is refused unread (DESIGN.md section 5)
 
 
 def _read_lines(slot, open_shard):
     """A JSON Lines (or text) split, from the slot's offset: the lines that start before its end."""
-    url, offset, end, line = slot["url"], slot["offset"], slot["end"], slot["line"]
-    # The line that crosses into a split belongs to the one before: skip to the first line
-    # start at or after `start` (read from start - 1, in case it is one).
+    url, offset, line = slot["url"], slot["offset"], slot["line"]
+    end = math.inf if slot["end"] is None else slot["end"]
+    # A split's lines start in it (DESIGN.md 4): from byte start - 1, skip to the next line start.
     skip = "last" not in slot and 0 < offset == slot["start"]
     # Read from the line read last (checked), the byte before a split's start, or the offset.
     at = offset - slot["last"][0] if "last" in slot else offset - skip
     compressed = url.endswith(_COMPRESSED)  # decompression cannot jump: re-read up to `at`
     with open_shard(url, 0 if compressed else at) as f:
-        # A local shard's size goes into the state with the first line, and is checked on
-        # every reopen: an offset into a file that has changed since points anywhere.
-        size = _check_size(f, slot)
+        size = _check_size(f, slot)  # (checked on every reopen: DESIGN.md section 2, rule 2)
         if compressed:
             _read_up_to(f, url, at)
         if "last" in slot:  # (states of older versions have no "last": not checked)
@@ -799,10 +756,7 @@ def _read_lines(slot, open_shard):
                 raise DataError(f"shard {url}: the line across byte {offset} is longer than "
                                 f"{MAX_LINE_BYTES:,} bytes (data.MAX_LINE_BYTES)")
             offset += len(crossing) - 1
-        if end is None:
-            end = math.inf
-        # The line read last is kept ("_line"): a state holds its length and crc32 ("last"),
-        # checked when the slot reopens here. The first line also records the size.
+        # The line read last ("_line") is a state's "last"; the first line records the size.
         first = {"size": size}
         while offset < end and (text := f.readline(MAX_LINE_BYTES + 1)):
             if len(text) > MAX_LINE_BYTES:  # read no further: it could be endless (/dev/zero)
@@ -826,9 +780,8 @@ def _check_size(f, slot):
 
 def _changed_row(url, where):
     return DataError(f"shard {url} changed since this run read it: its {where} is not the one "
-                     "it read there (rows added or edited before it). Resuming would read "
-                     "from the wrong places: restore the file, or start a new run on the new "
-                     "data")
+                     "it read there (records added or edited before it). Resuming would read "
+                     "from the wrong places: restore the file, or start a new run on the new data")
 
 
 def _check_last_line(f, url, offset, length, crc):
@@ -839,9 +792,7 @@ def _check_last_line(f, url, offset, length, crc):
         got = zlib.crc32(chunk, got)
     if got != crc:
         # (Equal bytes end in the newline the line had, or at the end of a same-size file.)
-        raise DataError(f"shard {url} changed since this run read it: the line that ended at "
-                        f"byte {offset} is not the one it read there. Resuming would read from "
-                        "the wrong places: restore the file, or start a new run on the new data")
+        raise _changed_row(url, f"line that ended at byte {offset}")
 
 
 def _read_up_to(f, url, offset):
@@ -851,8 +802,7 @@ def _read_up_to(f, url, offset):
 
 
 def _read_row_groups(slot, open_shard, required_fields):
-    """A Parquet split, from the slot's row group and row. Only the footer and the row
-    groups from there on are read."""
+    """A Parquet split, from the slot's row group and row: only the footer and those groups."""
     url, first = slot["url"], slot["row_group"]
     with open_shard(url) as f:
         size = _check_size(f, slot)  # (and the row read last, below: its crc)
@@ -884,8 +834,7 @@ def _read_array(slot, records):
 
 
 def _read_cbor(slot, open_shard):
-    """A CBOR shard (one CBOR object per record, back to back: epochraft's format), from the
-    slot's offset. A reopened slot first decodes the record it read last (``last_at``)."""
+    """A CBOR shard from the slot's offset, checking the record read last (DESIGN.md 2 and 10)."""
     import cbor2
     url, offset, line = slot["url"], slot["offset"], slot["line"]
     with open_shard(url, slot.get("last_at", offset)) as f:
@@ -915,8 +864,7 @@ MAX_DOC_TOKENS = 1 << 24  # ids without an EOS that still make one document
 
 
 def token_layout(url, head, size, format=None):
-    """(bytes before the ids, their dtype, how many) of a token file from its first 1,024 bytes
-    and size: .npy, llm.c (magic, version) or nanoGPT's raw uint16 ids; none of them: refused."""
+    """(bytes before the ids, their dtype, how many) of a token file, or refused (DESIGN.md 10)."""
     if format == "npy" or format is None and url.split("?")[0].endswith(".npy"):
         f = io.BytesIO(head)
         try:
@@ -984,8 +932,7 @@ class _Ids:
 
 
 def _read_tokens(slot, open_shard, layout, tokenizer):
-    """A token-file split, from the slot's token: the documents that start in it (at token 0 or
-    after an EOS), each without its EOS; one that crosses its end is read to its EOS."""
+    """A token-file split from the slot's token: the documents that start in it (DESIGN.md 10)."""
     url, (base, dtype, count) = slot["url"], layout
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise DataError(f"shard {url} is a token file: Files(tokenizer=...) gives its EOS")
@@ -1047,13 +994,6 @@ def _first_byte(url, open_shard):
     return b""
 
 
-def _size(url, open_shard):
-    if "://" not in url:
-        return os.path.getsize(url)
-    with open_shard(url) as f:
-        return f.seek(0, os.SEEK_END)
-
-
 def _lines_before(slot, open_shard, required_fields):
     """The lines (Parquet: rows) of a shard before the slot's split: for line numbers."""
     url, start = slot["url"], slot["start"]
@@ -1066,16 +1006,12 @@ def _lines_before(slot, open_shard, required_fields):
 
 # -- Retries: a transient network fault is retried, anything else fails at once ----------------
 
-# Seconds to connect, and to wait for each read, on every source (_one_owner): a fault then.
-HTTP_TIMEOUT = (10, 60)
-# Seconds that faults in a row are retried at most (backoff and reads that time out alike).
-RETRY_TIME = 240
+HTTP_TIMEOUT = (10, 60)  # seconds to connect, and per read, of every request (_one_owner)
+RETRY_TIME = 240  # seconds that faults in a row are retried at most (DESIGN.md section 10)
 
 
 def _one_owner(url):
-    """smart_open's transport_params that leave the retries to _Retry: a request times out
-    (HTTP_TIMEOUT) and boto3 or google-cloud-storage retry none (nested, they held a run for
-    hours; DESIGN.md section 10). S3 sends no GET until the first read: one request, there."""
+    """smart_open's transport_params: retries left to _Retry, S3's GET deferred (DESIGN.md 10)."""
     if url.startswith("s3://"):
         import botocore.config
         config = botocore.config.Config(connect_timeout=HTTP_TIMEOUT[0], retries={
@@ -1124,8 +1060,7 @@ def _http_status(error):
 
 
 def is_transient(error):
-    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying. Not a 404, a
-    denied access, a certificate problem or bad data, which no retry mends."""
+    """A dropped connection, a timeout or a 5xx/429 answer: worth retrying (DESIGN.md 10)."""
     status = _http_status(error)
     if status is not None:
         return status >= 500 or status in (408, 429)
@@ -1141,24 +1076,20 @@ def _permanent(url, where, error):
     if isinstance(error, PermissionError) or status == 403:  # also AccessDenied
         return PermissionError(f"shard {url}: access denied ({text})")
     if "ignored the range request" in text:
-        return OSError(f"shard {url}: the server ignores HTTP Range requests ({text}), and the "
-                       "kit reads a shard from where it stopped, or in pieces, by asking for a "
-                       "range. Serve it from a server that answers them (nginx, S3, GCS; not "
-                       "`python -m http.server`), or download it and pass the local file.")
+        return OSError(f"shard {url}: the server ignores HTTP Range requests ({text}), which "
+                       "resuming or cutting a shard needs: serve it from one that answers them "
+                       "(nginx, S3, GCS; not `python -m http.server`), or download it first.")
     return OSError(f"shard {url}: read failed after {where}: {text}")
 
 
 class _Retry:
-    """Retries of transient faults (see is_transient): at most ``retries`` of them, the n-th
-    after ``delay * 2**n`` seconds (a minute at most), for RETRY_TIME seconds at most from the
-    first of them. Any other error is raised at once."""
+    """Retries of transient faults (is_transient), with backoff (DESIGN.md section 10)."""
 
     def __init__(self, retries, delay):
         self.retries, self.delay, self.since = retries, delay, 0.0
 
     def after_fault(self, error, url, where, n):
-        """Raise ``error`` for what it is (bad data, a fault no retry mends, or transient
-        fault number n past ``retries``), or wait before attempt n + 1 (exponential backoff)."""
+        """Raises ``error`` for what it is, or waits before attempt n + 1 (a transient fault)."""
         if isinstance(error, DataError):
             raise error
         if not is_transient(error):
@@ -1174,8 +1105,7 @@ class _Retry:
         time.sleep(delay)
 
     def next(self, readers, i, slot, reader):
-        """The next (line or record, where the next starts) of ``readers[i]``, None at the
-        split's end; ``reader(slot)`` opens it where the slot is, again after a fault."""
+        """The next (data, where the next one starts) of ``readers[i]``, or None; faults retried."""
         url, first = slot["url"], 0
         if readers[i] is not None:  # the common case: no closures, no retry loop
             try:
@@ -1196,8 +1126,7 @@ class _Retry:
 
     def run(self, url, where, attempt, reset=None, first=0):
         """attempt(), again after each transient fault, up to ``retries`` times in all (the
-        first ``first`` were spent by the caller). ``reset`` drops a broken reader: the next
-        attempt reopens the shard where the slot is."""
+        caller spent ``first``); ``reset`` drops a broken reader, to reopen where the slot is."""
         for n in range(first, self.retries + 1):
             try:
                 return attempt()
@@ -1210,9 +1139,7 @@ class _Retry:
 # -- The other sources -------------------------------------------------------------------------
 
 class HFDataset(Stage):
-    """A Hugging Face ``datasets`` dataset, read once or for ``epochs`` passes (``repeat``): a
-    ``Dataset`` by index (``shuffle``: a seeded permutation per epoch), an ``IterableDataset``
-    by its own state_dict (DESIGN.md section 10)."""
+    """A Hugging Face ``Dataset`` or ``IterableDataset``, once or for ``epochs`` (DESIGN.md 10)."""
 
     def __init__(self, dataset, *, repeat=False, epochs=None, shuffle=False, seed=0,
                  required_fields=()):
@@ -1240,8 +1167,7 @@ class HFDataset(Stage):
 
     def _next_row(self):
         if self.streaming:
-            if self._it is None:
-                self._it = iter(self.dataset)
+            self._it = self._it or iter(self.dataset)
             return next(self._it, None)
         if self.index == len(self.dataset):
             return None
@@ -1314,12 +1240,10 @@ def _crcs(crcs, start=0):
 
 
 class Tokenize(Stage):
-    """Adds ``input_ids`` by tokenizing ``sample[column]`` on a thread pool, up to ``2 *
-    num_threads`` batches ahead (a token file's records pass as they are). The state: DESIGN.md
-    section 2, rule 1; the threads: section 6."""
+    """Adds ``input_ids`` by tokenizing ``sample[column]`` on ``num_threads`` threads, ``2 *
+    num_threads`` batches ahead; a token file's ids pass (DESIGN.md sections 2, rule 1, and 6)."""
 
-    # Not in the config: where a batch ends does not change the stream (a skip carries on into
-    # the next batch), so states saved with other batches still resume exactly.
+    # Not in the config: where a batch ends does not change the stream (DESIGN.md 2, rule 1).
     BATCH_CHARS = 1 << 20
     CHANGED = ("the data changed since this run read it: the documents read again after its "
                "checkpoint are not the ones it trained on then (a shard was edited, or records "
@@ -1380,8 +1304,7 @@ class Tokenize(Stage):
                  for d, cut in enumerate(pieces) for i in range(len(cut))]
         samples = [piece for cut in pieces for piece in cut]
         texts = [s for s in samples if "input_ids" not in s]
-        # Encoded about 1M characters at a time: the tokenizer's own objects for the pieces of
-        # one huge document would take a few GB if all were encoded in one call.
+        # About 1M characters a call: all pieces of a huge document at once would take GBs.
         ids, start, chars = [], 0, 0
         for i, sample in enumerate(texts, 1):
             chars += len(sample[self.column])
@@ -1390,8 +1313,7 @@ class Tokenize(Stage):
                 start, chars = i, 0
         for sample, sample_ids in zip(texts, ids):
             sample["input_ids"] = sample_ids
-        # The thread frees the id lists it made, once their batch is handed out: a malloc
-        # arena's lock, which the tokenizer takes all the time (DESIGN.md section 6).
+        # The thread frees the id lists it made once their batch is handed out (DESIGN.md 6).
         made = self._per_thread.__dict__.setdefault("batches", collections.deque())
         made.append((seq, ids))
         while made[0][0] < self._popped - 1:  # (batch _popped - 1 is being handed out)
@@ -1401,8 +1323,7 @@ class Tokenize(Stage):
     def _submit(self):
         states, samples, chars = [self.src.state_dict()], [], 0
         try:
-            # Without the character budget, 64 copies of a 10 MB document (an endless stream
-            # of one document) were read per batch, 2 * num_threads batches ahead.
+            # A budget in characters too: 64 documents of 10 MB would be a batch of 640 MB.
             while len(samples) < self.batch_size and chars < self.BATCH_CHARS:
                 samples.append(next(self.src))
                 states.append(self.src.state_dict())
@@ -1412,8 +1333,7 @@ class Tokenize(Stage):
         except StopIteration:
             self._exhausted = True
         if samples:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tokenize")
+            self._pool = self._pool or ThreadPoolExecutor(self.num_threads, "tokenize")
             seq = self._popped + len(self._inflight)  # the batch's number, from 0
             self._inflight.append((states, self._pool.submit(self._work, samples, seq)))
 
@@ -1462,10 +1382,9 @@ class Tokenize(Stage):
     def reshard_state(self, olds, ctx):
         """The upstream states as they are: each is where its rank's consumer stood."""
         if any(old["skip"] for old in olds):
-            raise ValueError("a rank stopped inside a document that Tokenize had cut into "
-                             "pieces (max_chars), or saved its state with an older version of "
-                             "data.py, whose skip runs past whole documents; resume on the same "
-                             "number of ranks, and change it at a later checkpoint")
+            raise ValueError("a rank stopped inside a document that Tokenize had cut (max_chars), "
+                             "or saved a skip past whole documents with an older version; resume "
+                             "on the same number of ranks, and change it at a later checkpoint")
         return self._state(upstream=self._reshard_upstream(olds, ctx), skip=0, crc=None)
 
     def close(self):
@@ -1476,8 +1395,7 @@ class Tokenize(Stage):
 
 
 def _cut_points(text, n):
-    """Where a document is cut: every ``n`` characters at most, at the last blank of the
-    piece's second half when there is one, so that words stay whole."""
+    """Where a document is cut: every ``n`` characters at most, after a blank in the second half."""
     points = [0]
     while len(text) - points[-1] > n:
         end = points[-1] + n
@@ -1487,9 +1405,7 @@ def _cut_points(text, n):
 
 
 def _pieces(sample, column, max_chars, cuts):
-    """A document longer than max_chars, cut into pieces (one 50 MB line would be tokenized and
-    held whole): ``piece`` = [i, n] tells EnsureBosEos which begins and which ends it. ``cuts``
-    counts the documents cut, for the log."""
+    """A document longer than max_chars, cut into pieces tagged ``piece`` = [i, n] (DESIGN.md 2)."""
     text = sample[column]
     if max_chars is None or len(text) <= max_chars:
         return [sample]
@@ -1504,8 +1420,7 @@ def _pieces(sample, column, max_chars, cuts):
 
 
 class EnsureBosEos(Stage):
-    """Makes every document start with BOS and end with EOS, so documents stay separable; when
-    they are one token (GPT-2's <|endoftext|>) only EOS: one separator per boundary is enough."""
+    """BOS first and EOS last in every document: only EOS when they are one token (DESIGN.md 2)."""
 
     def __init__(self, src, tokenizer):
         self.src, self.bos, self.eos = src, tokenizer.bos_token_id, tokenizer.eos_token_id
@@ -1525,8 +1440,7 @@ class EnsureBosEos(Stage):
 
 
 def as_int64(ids, stage):
-    """A document's ids as the bytes of int64s, for ``array('q').frombytes``, made by
-    ``array('Q')``, 2.5x faster than ``array('q')``: so a negative id is refused, by name."""
+    """A document's ids as int64 bytes by ``array('Q')``, refusing ids below 0 (DESIGN.md 6)."""
     try:
         return memoryview(array.array("Q", ids)).cast("B")
     except OverflowError:
@@ -1535,8 +1449,7 @@ def as_int64(ids, stage):
 
 
 def as_tensor(ids):
-    """A 1-D long tensor of an ``array('q')`` slice: a memory copy, where torch.tensor() on a
-    list of ints walks the list object by object (about 3x slower, with the GIL held)."""
+    """A 1-D long tensor of an ``array('q')`` slice, by one memory copy (DESIGN.md section 6)."""
     return torch.frombuffer(ids, dtype=torch.long) if len(ids) else torch.zeros(0, dtype=torch.long)
 
 
@@ -1596,9 +1509,8 @@ def from_json(data):
 
 
 class Shuffle(Stage):
-    """A buffered shuffle: fill a buffer of ``buffer_size`` samples (1: none), hand out a random
-    one. The buffer and the RNG are state; each sample is made JSON once, while it waits, so a
-    state per item (Prefetch's) costs a list copy, not the whole buffer encoded again."""
+    """A buffered shuffle of ``buffer_size`` samples (1: none); the buffer and RNG are state, each
+    sample made JSON once while it waits (a state per item: a list copy, not the buffer encoded)."""
 
     def __init__(self, src, buffer_size, *, seed=0):
         self.src, self.buffer_size, self.seed = src, buffer_size, seed
@@ -1633,8 +1545,7 @@ class Shuffle(Stage):
         _rng_from_json(self.rng, state["rng"])
 
     def reshard_state(self, olds, ctx):
-        """The buffer of old rank i moves to new rank i mod (new world size); the RNG goes on
-        from the old rank's of the same number."""
+        """Old rank i's buffer moves to new rank i mod W'; the RNG goes on (DESIGN.md 4)."""
         buffer = [sample for i in ctx.mine for sample in olds[i]["buffer"]]
         ctx.report["sequences_moved"] += sum(len(olds[i]["buffer"]) for i in ctx.mine
                                              if i != ctx.rank)
@@ -1646,8 +1557,7 @@ class Shuffle(Stage):
 # Fine-tuning on instructions (SFT): FormatInstructions, Pack, Pad
 # ----------------------------------------------------------------------------------------------
 
-# The layout of an instruction record ("### " headers, as in Alpaca-style data sets). The
-# response follows the prompt directly; only the response's tokens are trained on.
+# The layout of an instruction record (Alpaca's "### " headers): DESIGN.md section 8.
 PROMPT = "{preamble}### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT = ("{preamble}### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n"
                      "### Response:\n")
@@ -1655,17 +1565,14 @@ PREAMBLE = "Answer the instruction below.\n\n"
 
 
 def instruction_prompt(instruction, input="", preamble=PREAMBLE):
-    """The text before the answer of an instruction record: what a model fine-tuned here was
-    trained to answer (generate.py and the trainer's samples wrap a prompt in it too)."""
+    """The text before an instruction record's answer (generate.py wraps its prompts in it too)."""
     template = PROMPT_WITH_INPUT if input else PROMPT
     return template.format(preamble=preamble, instruction=instruction, input=input)
 
 
 class FormatInstructions(Stage):
-    """Instruction records -> ``input_ids`` and ``labels`` that train on the answer only: an
-    ``instruction``/``input``/``output`` record laid out as instruction_prompt, a ``messages``
-    one through the tokenizer's chat template; the prompt's labels are ``label_pad_id``
-    (-100: the model learns to answer, not to ask). DESIGN.md section 8."""
+    """Instruction records (laid out as instruction_prompt, or ``messages`` by the chat template)
+    -> ``input_ids`` and ``labels``, the prompt's ``label_pad_id``: DESIGN.md section 8."""
 
     def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
         self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
@@ -1678,8 +1585,7 @@ class FormatInstructions(Stage):
 
     @staticmethod
     def check_record(record):
-        """What FormatInstructions needs of a record: for Files(check=...), which names shard
-        and line."""
+        """What FormatInstructions needs of a record: for Files(check=...) (shard and line)."""
         if "messages" in record:
             messages = record["messages"]
             if not isinstance(messages, list) or not messages or not all(
@@ -1698,9 +1604,7 @@ class FormatInstructions(Stage):
                              f"'output' (or a list 'messages'); it has {sorted(record)}")
 
     def check(self, record):
-        """check_record, and a chat record needs a tokenizer with a chat template: for
-        Files(check=...). Without one the data is unusable, not bad, so that is a DataError,
-        which skip_bad_records does not skip."""
+        """check_record, and a chat template for a chat record (else a DataError: DESIGN.md 5)."""
         self.check_record(record)
         if "messages" in record and not getattr(self.tokenizer, "chat_template", None):
             name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
@@ -1721,8 +1625,7 @@ class FormatInstructions(Stage):
                 raise ValueError("FormatInstructions: the chat template renders the prompt "
                                  "differently inside the whole conversation; cannot mask it")
         else:
-            text = instruction_prompt(record["instruction"], record.get("input", ""),
-                                      self.preamble)
+            text = instruction_prompt(record["instruction"], record.get("input", ""), self.preamble)
             bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
             prompt = ([bos] if bos is not None else []) + self._encode(text)
             ids = prompt + self._encode(record["output"]) + ([eos] if eos is not None else [])
@@ -1749,18 +1652,14 @@ def _padded(ids, labels, length, pad_id, label_pad_id):
 
 
 class Pack(Stage):
-    """Packs whole samples greedily into sequences of ``length`` tokens: less padding than Pad.
-    An over-long sample is truncated, or dropped and counted (``discard_long``); position ids
-    restart at each sample, whose first label is ``label_pad_id`` (DESIGN.md section 8)."""
+    """Packs whole samples greedily into sequences of ``length`` tokens (DESIGN.md section 8)."""
 
     def __init__(self, src, length, *, pad_id=0, label_pad_id=-100, discard_long=False):
         self.src, self.length, self.pad_id = src, length, pad_id
         self.label_pad_id, self.discard_long = label_pad_id, discard_long
         self.config = {"length": length, "pad_id": pad_id, "label_pad_id": label_pad_id,
                        "discard_long": discard_long}
-        # [ids, labels] of the samples read but not yet packed: the one that did not fit the
-        # last sequence (more only after a reshard, which moves other ranks' here)
-        self.waiting = []
+        self.waiting = []  # [ids, labels] read, not packed yet (several only after a reshard)
         self.discarded = 0
 
     def _next_sample(self):
@@ -1817,8 +1716,7 @@ class Pack(Stage):
 
 
 class Pad(Stage):
-    """Pads each sample to ``length`` tokens (a longer one is an error unless ``truncate``):
-    ``input_ids``, ``attention_mask``, ``labels`` (its own, or its ids; padding not scored)."""
+    """Pads each sample to ``length`` tokens (longer: an error unless ``truncate``; DESIGN.md 2)."""
 
     def __init__(self, src, length, *, pad_id, label_pad_id=-100, truncate=False):
         self.src, self.length, self.pad_id = src, length, pad_id
@@ -1841,8 +1739,7 @@ class Pad(Stage):
 # ----------------------------------------------------------------------------------------------
 
 def collate(samples):
-    """Stacks the tensors of a list of samples, and makes one tensor of each field of numbers
-    (Mix's "domain"); other fields become lists."""
+    """Stacks samples' tensors, makes a tensor of each field of numbers (domain), lists the rest."""
     out = {}
     for key in samples[0]:
         values = [s[key] for s in samples]
@@ -1860,8 +1757,7 @@ def collate(samples):
 
 
 class Batch(Stage):
-    """Groups ``batch_size`` samples into one (collate), within one next(): no partial batch
-    is ever state. The last batch may be short unless ``drop_last``."""
+    """``batch_size`` samples as one (collate), in one next(): no partial batch is ever state."""
 
     def __init__(self, src, batch_size, *, drop_last=False, collate_fn=collate):
         self.src, self.batch_size, self.drop_last = src, batch_size, drop_last
@@ -1870,25 +1766,15 @@ class Batch(Stage):
         self.config = {"drop_last": drop_last}
 
     def __next__(self):
-        samples = []
-        for _ in range(self.batch_size):
-            try:
-                samples.append(next(self.src))
-            except StopIteration:
-                break
+        samples = list(itertools.islice(self.src, self.batch_size))
         if not samples or (self.drop_last and len(samples) < self.batch_size):
             raise StopIteration
         return self.collate_fn(samples)
 
 
 class Prefetch(Stage):
-    """Runs the upstream pipeline ``depth`` items ahead in a child process forked at the first
-    next(), off this process's GIL (DESIGN.md section 6). Items cross a pipe, their tensors in
-    shared memory (copied out by next(); ``pin_memory``: into pinned memory), with the count of
-    bad records skipped so far (``skipped``); the child keeps the state after each until asked.
-    Its credits for more come back every ``every`` items (a step); ``follow``: the OnlineMixer
-    that learns here (learn_late), whose state the child takes then before drawing on. It dies
-    with this process and close(). ``until`` (an Event) ends a wait for an item that hangs."""
+    """Runs the upstream pipeline ``depth`` items ahead in a process forked at the first next()
+    (DESIGN.md section 6; its arguments: section 2); ``skipped``: bad records skipped so far."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
@@ -1899,7 +1785,6 @@ class Prefetch(Stage):
     def _start(self):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
-            # Anonymous and shared with the child: gone with both processes, nothing to clean.
             size = min(SLOT_BYTES, SHARED_BYTES // self.depth) // 64 * 64  # (a slot's bytes)
             self._slots = mmap.mmap(-1, self.depth * size, flags=mmap.MAP_SHARED | NORESERVE)
             sys.stdout.flush(), sys.stderr.flush()  # (or the child would write them again)
@@ -2000,19 +1885,14 @@ def _stop(conn, pid):
         os.waitpid(pid, 0)
 
 
-# An item's tensors up to a slot's size cross in shared memory, not the pipe; at most this much
-# in all (more items in flight: smaller slots). Linux's MAP_NORESERVE (mmap's from Python 3.13):
-# no memory is set aside for the slots until their pages are written.
-SLOT_BYTES, SHARED_BYTES = 1 << 26, 1 << 28
+# The shared memory's bytes (DESIGN.md 6); MAP_NORESERVE is mmap's own from Python 3.13.
+SLOT_BYTES, SHARED_BYTES = 1 << 26, 1 << 28  # a slot's most, and all slots'
 NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
-
-
 Shared = collections.namedtuple("Shared", "offset shape dtype")  # an array in Prefetch's slots
 
 
 def _share(item, slots, slot, depth):
-    """``item``'s tensors written into ``slot`` of the shared ``slots`` (as Shared), or as
-    NumPy arrays to pickle where they do not fit."""
+    """``item``'s tensors in ``slot`` of ``slots`` (Shared), or arrays to pickle if too big."""
     size = len(slots) // depth
     offset, end, out = slot * size, (slot + 1) * size, {}
     for key, value in item.items():
@@ -2101,11 +1981,9 @@ def _portable(error):
 # ----------------------------------------------------------------------------------------------
 
 class OnlineMixer:
-    """Online Data Mixing (Albalak et al., 2023): the domains are the arms of a multi-armed
-    bandit whose reward is the training loss, so sampling moves toward the domains the model
-    has not learned yet. ``probabilities`` are the ``weights`` until ``warmup_steps`` are done;
-    then every ``update(losses, step)`` ({domain index: mean loss}) smooths the rewards R with
-    ``alpha`` and recomputes them over an exploration floor eps_t = min(1/K, sqrt(ln K / (K t))):
+    """Online Data Mixing (Albalak et al., 2023; DESIGN.md section 9): ``probabilities`` are the
+    ``weights`` until ``warmup_steps`` are done; then every ``update(losses, step)`` smooths the
+    rewards R with ``alpha`` and recomputes them over a floor eps_t = min(1/K, sqrt(ln K / (K t))):
     ``exp3`` (the paper): R_i <- a R_i + (1 - a) L_i / p_i, p = (1 - K eps_t) softmax(eps_{t-1}
     R) + eps_t; ``smoothed-mean`` (its code): R_i <- a R_i + (1 - a) exp(L_i), p_i = (1 - K
     eps_t) R_i / sum_j R_j + eps_t. Its state is plain numbers, saved with Mix's."""
@@ -2132,19 +2010,15 @@ class OnlineMixer:
             gain = loss / self.probabilities[i] if self.variant == "exp3" else math.exp(loss)
             self.rewards[i] = a * self.rewards[i] + (1 - a) * gain
         k, eps = len(self.rewards), self.epsilon(step)
+        weights = self.rewards  # (smoothed-mean's shares: R_i / sum_j R_j)
         if self.variant == "exp3":
             scaled = [self.epsilon(step - 1) * r for r in self.rewards]
             top = max(scaled)  # softmax without overflow
-            exps = [math.exp(x - top) for x in scaled]
-            shares = [e / sum(exps) for e in exps]
-        else:
-            total = sum(self.rewards)
-            shares = [r / total for r in self.rewards]
-        self.probabilities = [(1 - k * eps) * share + eps for share in shares]
+            weights = [math.exp(x - top) for x in scaled]
+        self.probabilities = [(1 - k * eps) * (w / sum(weights)) + eps for w in weights]
 
     def state_dict(self):
-        return {"config": self.config, "probabilities": self.probabilities,
-                "rewards": self.rewards}
+        return {"config": self.config, "probabilities": self.probabilities, "rewards": self.rewards}
 
     def load_state_dict(self, state):
         if state["config"] != self.config:
@@ -2155,16 +2029,14 @@ class OnlineMixer:
 
 def learn_late(mixer, held, step):
     """A mixer learns from the losses ``held`` ([step, a loss or None per domain]) of the step
-    before ``step``: the trainer reads them a step late, after this step's samples were drawn.
-    Kept in the run state until then, they are learned at the same point after a resume."""
+    before ``step``, read a step late and kept in the run state until then (DESIGN.md 9)."""
     if mixer and held and held[0] == step - 1:
         mixer.update({i: loss for i, loss in enumerate(held[1]) if loss is not None}, held[0])
 
 
 class Mix(Stage):
-    """Interleaves named pipelines: each sample's domain is drawn with this stage's own RNG
-    from the current probabilities (fixed ``weights``, or a ``mixer``'s: DESIGN.md section 9)
-    and tagged as ``sample["domain"]``; a Prefetch above it follows the mixer (``follow``)."""
+    """Interleaves named pipelines, each sample's domain (``sample["domain"]``) drawn with its own
+    RNG from ``weights`` or a ``mixer``'s probabilities (DESIGN.md section 9)."""
 
     def __init__(self, pipelines, weights=None, *, seed=0, mixer=None):
         self.names, self.pipelines = list(pipelines), list(pipelines.values())
@@ -2198,18 +2070,12 @@ class Mix(Stage):
             self.mixer.load_state_dict(state["mixer"])
 
     def reshard_state(self, olds, ctx):
-        """Each domain's pipeline reshards on its own; the mixer's state goes on as it was:
-        it is the same on every rank, since its updates use losses averaged over all ranks."""
-        mixers = {json.dumps(old["mixer"]) for old in olds}
-        if len(mixers) > 1:
+        """Each domain reshards on its own; the mixer's, the same on every rank, goes on."""
+        if len({json.dumps(old["mixer"]) for old in olds}) > 1:
             raise ValueError("reshard: the ranks saved different mixer states")
         upstream = [ctx.merge(pipeline, [old["upstream"][d] for old in olds])
                     for d, pipeline in enumerate(self.pipelines)]
         return self._state(rng=ctx.rng(olds), upstream=upstream, mixer=olds[0]["mixer"])
-
-    def close(self):
-        for pipeline in self.pipelines:
-            pipeline.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2217,8 +2083,7 @@ class Mix(Stage):
 # ----------------------------------------------------------------------------------------------
 
 def _stages(pipeline):
-    """The stages of ``pipeline`` from its top, through the pipelines of a Mix (Interleave,
-    Concat)."""
+    """The stages of ``pipeline`` from its top, through those of a Mix, Interleave, Concat."""
     stages = [pipeline]
     while stages:
         stage = stages.pop()
@@ -2227,17 +2092,15 @@ def _stages(pipeline):
 
 
 def first_read(pipeline):
-    """Has every Prefetch of ``pipeline`` make its first item, and raises what that raised:
-    a resume that is about to let things go (--resume-from) checks its data first."""
+    """Has each Prefetch of ``pipeline`` make its first item, raising what it raised (DESIGN.md
+    section 3: a resume about to let checkpoints go checks its data first)."""
     for stage in _stages(pipeline):
         if isinstance(stage, Prefetch):
             stage.peek()
 
 
 def reshard(pipeline, states):
-    """Loads into ``pipeline`` (this rank's, built for the new world size) the loader states
-    that the W ranks of an earlier run saved, in rank order: every document is trained on
-    exactly once, only the order changes (DESIGN.md section 4). Returns counts for the log."""
+    """Loads the states of an earlier run's ranks into this rank's ``pipeline`` (DESIGN.md 4)."""
     *_, bottom = _stages(pipeline)  # (through a Mix: its first domain's source)
     # The rank: the highest stage that splits the data by it, a Stride or Files
     split = next((s for s in _stages(pipeline) if isinstance(s, (Stride, Files))), None)
@@ -2250,14 +2113,12 @@ def reshard(pipeline, states):
 
 
 class Resharding:
-    """What reshard hands every stage's reshard_state: the new rank and world size, the old
-    ranks whose buffered work moves to this rank (``mine``), and the counts for the log."""
+    """Given to each reshard_state: the rank, world size, ``mine`` and ``report`` (DESIGN.md 4)."""
 
     def __init__(self, rank, world_size, old_world_size):
         self.rank, self.world_size = rank, world_size
         self.mine = [i for i in range(old_world_size) if i % world_size == rank]
-        self.report = {"old_world_size": old_world_size, "sequences_moved": 0,
-                       "tokens_moved": 0}
+        self.report = {"old_world_size": old_world_size, "sequences_moved": 0, "tokens_moved": 0}
 
     def merge(self, stage, olds):
         """``stage``'s state on this rank, from the states its old ranks saved (``olds``)."""
@@ -2266,8 +2127,7 @@ class Resharding:
         return stage.reshard_state(olds, self)
 
     def rng(self, olds):
-        """A stage's RNG state on this rank: old rank r's goes on; a rank that did not exist
-        before draws a sequence of its own, still seeded (from old rank r mod W's)."""
+        """A stage's RNG state on this rank: old rank r's goes on (DESIGN.md section 4)."""
         rng = _rng_from_json(random.Random(), olds[self.rank % len(olds)]["rng"])
         if self.rank >= len(olds):
             rng.seed(f"{rng.getrandbits(64)}-{self.rank}")
@@ -2281,10 +2141,8 @@ class Resharding:
 
 def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, sft=False,
            tokenizer=None, skip_bad_records=False, format=None):
-    """The documents of a --dataset: shards (paths, globs, {a,b} patterns, directories, URLs)
-    go to Files over ``slots`` slots, a save_to_disk directory or a Hub name (NAME:SPLIT) to
-    HFDataset (DESIGN.md section 10). Training reads endlessly (or ``epochs`` passes) in a
-    seeded order; otherwise once, in order."""
+    """The documents of a --dataset, as Files over ``slots`` slots or HFDataset (DESIGN.md
+    section 10): training reads endlessly (or ``epochs`` passes), shuffled; else once, in order."""
     required = [] if sft else ["text"]
     local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
     name, split = spec, ""
@@ -2317,8 +2175,7 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
             return source(spec, train=False, rank=rank, world_size=world_size,
                           slots=e.n_splits, sft=sft, tokenizer=tokenizer,
                           skip_bad_records=skip_bad_records, format=format)
-    import datasets  # here, not at the top: only these sources need the library
-    import datasets.distributed
+    import datasets.distributed  # here, not at the top: only these sources need the library
     try:
         if saved:  # a map-style dataset on disk: read by index, so resuming is one lookup
             dataset = datasets.load_from_disk(name)
@@ -2337,14 +2194,9 @@ def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, s
 
 
 def sft_format(spec, **source_args):
-    """"chat" if the records of ``spec`` are conversations ('messages', laid out by the
-    tokenizer's chat template), else "instruction" (instruction/output): the first record that
-    training reads tells (``source_args``: those of the training source)."""
-    first = source(spec, train=True, sft=True, **source_args)
-    try:
+    """"chat" if the first record that training reads is a conversation, else "instruction"."""
+    with source(spec, train=True, sft=True, **source_args) as first:
         record = next(first, {})
-    finally:
-        first.close()
     return "chat" if "messages" in record else "instruction"
 
 
@@ -2366,8 +2218,7 @@ def find_domains(pattern, like=None):
 
 
 def natural_sizes(pattern):
-    """{domain: bytes of its files, as stored} (--mix natural: what plain concatenation samples
-    by; bytes are known without reading the data). Compressed beside plain shards: a warning."""
+    """{domain: bytes of its files, as stored}: --mix natural's weights (DESIGN.md section 3)."""
     shards = {name: expand_urls(urls) for name, urls in find_domains(pattern).items()}
     packed = {name: [url.endswith(_COMPRESSED) for url in urls] for name, urls in shards.items()}
     if len({flag for flags in packed.values() for flag in flags}) > 1:
@@ -2379,10 +2230,8 @@ def natural_sizes(pattern):
 
 
 def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, asked=None):
-    """The first ``n`` batches of each pipeline, which it closes; ``tagged``: each batch holds
-    its pipeline's index as "domain". Refuses a set of no batch; warns (``warn``: on one rank)
-    about fewer than ``asked`` (None: a default, no warning), and about shards shared with
-    the training data."""
+    """The first ``n`` batches of each pipeline, which it closes (``tagged``: with its index as
+    "domain"); refuses none, warns (``warn``) of fewer than ``asked`` and of shared shards."""
     batches = []
     for i, pipeline in enumerate(pipelines):
         for batch in itertools.islice(pipeline, n):
@@ -2419,8 +2268,7 @@ def skipped_records(loader_state):
 
 
 def source_epoch(loader_state):
-    """The epoch (pass over the training shards) that a pipeline's source is in; with several
-    domains (Mix), the smallest."""
+    """The epoch that a pipeline's source is in (pass over its shards; Mix's: the smallest)."""
     upstream = loader_state.get("upstream")
     if upstream is None:
         return loader_state["epoch"]
@@ -2454,6 +2302,9 @@ class Filter(Map):
                 return sample
 
 
+_END = object()  # (no sample: the end)
+
+
 class FilterMap(Map):
     """Applies ``fn``; a sample for which it returns None is dropped."""
 
@@ -2464,48 +2315,36 @@ class FilterMap(Map):
 
 
 class ParallelMap(Stage):
-    """FilterMap on a pool of ``max_workers`` threads or processes (``executor_type``), up to
-    ``max_workers * prefetch_factor`` samples ahead. The state is the upstream's after the last
-    sample handed out (DESIGN.md section 2, rule 1). ``ordered=False`` hands samples out as
-    they finish and gives up exactness: a resume may repeat or skip those that were in flight."""
+    """FilterMap on ``max_workers`` threads or processes, ``max_workers * prefetch_factor``
+    samples ahead, the state travelling with each (DESIGN.md section 2, rule 1). ``ordered=False``
+    hands out first what is done first: a resume may repeat or skip samples then in flight."""
 
     def __init__(self, src, fn, *, max_workers=None, prefetch_factor=10, ordered=True,
                  executor_type="process"):
-        if executor_type not in ("thread", "process"):
+        pools = {"thread": ThreadPoolExecutor, "process": concurrent.futures.ProcessPoolExecutor}
+        if executor_type not in pools:
             raise ValueError(f"executor_type={executor_type!r}: pass 'thread' or 'process'")
-        self.src, self.fn, self.ordered, self.executor_type = src, fn, ordered, executor_type
+        self.src, self.fn, self.ordered, self.pool = src, fn, ordered, pools[executor_type]
         self.workers = max_workers or os.cpu_count()
         self.ahead = self.workers * prefetch_factor
         self.config = {"ordered": ordered}
         self._pool, self._inflight, self._exhausted = None, [], False
         self._last = None  # the upstream state after the last sample handed out
 
-    def _submit(self):
-        while not self._exhausted and len(self._inflight) < self.ahead:
-            try:
-                sample = next(self.src)
-            except StopIteration:
-                self._exhausted = True
-                break
-            if self._pool is None:
-                self._pool = (ThreadPoolExecutor(self.workers, "parallel_map")
-                              if self.executor_type == "thread" else
-                              concurrent.futures.ProcessPoolExecutor(self.workers))
-            self._inflight.append((self._pool.submit(self.fn, sample), self.src.state_dict()))
-
     def __next__(self):
         if self._last is None:
             self._last = self.src.state_dict()
         while True:
-            self._submit()
+            while not self._exhausted and len(self._inflight) < self.ahead:
+                if (sample := next(self.src, _END)) is _END:
+                    self._exhausted = True
+                    break
+                self._pool = self._pool or self.pool(self.workers)
+                self._inflight.append((self._pool.submit(self.fn, sample), self.src.state_dict()))
             if not self._inflight:
                 raise StopIteration
-            i = 0
-            if not self.ordered:  # the first to finish
-                done, _ = concurrent.futures.wait([f for f, _ in self._inflight],
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-                i = next(k for k, (f, _) in enumerate(self._inflight) if f in done)
-            future, self._last = self._inflight.pop(i)
+            done = (k for k, (future, _) in enumerate(self._inflight) if future.done())
+            future, self._last = self._inflight.pop(0 if self.ordered else next(done, 0))
             if (sample := future.result()) is not None:
                 return sample
 
@@ -2519,14 +2358,10 @@ class ParallelMap(Stage):
         super().close()
 
 
-_END = object()
-
-
 class Sequence(Stage):
-    """In-memory samples (a list, a Hugging Face Dataset: read by index), in order or shuffled
-    anew every epoch (``shuffle``, by ``(seed, epoch)``); or, with ``iterable=True``, any
-    iterable that yields the same samples every time it is iterated: a resume iterates it again
-    up to where it stood (it cannot seek)."""
+    """In-memory samples (a list, a Hugging Face Dataset), read by index in order or shuffled by
+    ``(seed, epoch)``; or, with ``iterable=True``, any iterable that yields the same samples each
+    time it is iterated: a resume iterates it again up to where it stood."""
 
     def __init__(self, items, *, repeat=False, shuffle=False, seed=0, iterable=False):
         if not iterable and not hasattr(items, "__getitem__"):
@@ -2537,16 +2372,13 @@ class Sequence(Stage):
         self.repeat, self.shuffle, self.seed = repeat, shuffle, seed
         self.config = {"n_items": None if iterable else len(items), "repeat": repeat,
                        "shuffle": shuffle, "seed": seed}
-        self.epoch, self.pos, self._it = 0, 0, None
-        self._order = None if iterable else _split_order(len(items), seed, 0, shuffle)
+        self.epoch, self.pos, self._it, self._order = 0, 0, None, (None, None)
 
     def __next__(self):
         while (item := self._item()) is _END:
             if not self.repeat or self.pos == 0:  # (an empty epoch: no next one either)
                 raise StopIteration
             self.epoch, self.pos, self._it = self.epoch + 1, 0, None
-            if not self.iterable:
-                self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
         self.pos += 1
         # A copy, because later stages add keys and the next epoch must see the original.
         return dict(item) if isinstance(item, dict) else item
@@ -2556,7 +2388,10 @@ class Sequence(Stage):
             if self._it is None:  # (resumed: pass what was read before)
                 self._it = itertools.islice(iter(self.items), self.pos, None)
             return next(self._it, _END)
-        return self.items[self._order[self.pos]] if self.pos < len(self.items) else _END
+        if self._order[0] != self.epoch:  # derived from (seed, epoch), as Files' is: not saved
+            self._order = (self.epoch, _split_order(len(self.items), self.seed, self.epoch,
+                                                    self.shuffle))
+        return self.items[self._order[1][self.pos]] if self.pos < len(self.items) else _END
 
     def state_dict(self):
         return self._state(epoch=self.epoch, pos=self.pos)
@@ -2564,8 +2399,6 @@ class Sequence(Stage):
     def load_state_dict(self, state):
         self._load(state)
         self.epoch, self.pos, self._it = state["epoch"], state["pos"], None
-        if not self.iterable:
-            self._order = _split_order(len(self.items), self.seed, self.epoch, self.shuffle)
 
 
 class Chunk(Stage):
@@ -2596,8 +2429,7 @@ class Chunk(Stage):
 
 
 class Count(Stage):
-    """The first ``max_count`` samples (None: all), each numbered from 0 in ``column`` if given
-    (epochraft's take and enumerate). The count is per rank: its state cannot be split."""
+    """The first ``max_count`` samples (None: all), numbered from 0 in ``column`` if given."""
 
     def __init__(self, src, max_count=None, *, column=None):
         self.src, self.max_count, self.column, self.count = src, max_count, column, 0
@@ -2621,9 +2453,8 @@ class Count(Stage):
 
 
 class Stride(Stage):
-    """Every ``interval``-th sample from the ``offset``-th: with the world size and the rank,
-    ranks share out one stream that each reads whole, in an order that does not depend on
-    their number, and that a reshard continues on the new ranks (DESIGN.md section 4)."""
+    """Every ``interval``-th sample from the ``offset``-th: ranks share out one stream, in an
+    order that does not depend on their number and that a reshard continues (DESIGN.md 4)."""
 
     def __init__(self, src, interval, offset):
         if not 0 <= offset < interval:
@@ -2633,12 +2464,10 @@ class Stride(Stage):
         self.count, self.start = 0, 0  # upstream samples read; where this striding began
 
     def __next__(self):
-        while (self.count - self.start) % self.interval != self.offset:
-            next(self.src)
-            self.count += 1
-        sample = next(self.src)
-        self.count += 1
-        return sample
+        while True:
+            sample, self.count = next(self.src), self.count + 1
+            if (self.count - 1 - self.start) % self.interval == self.offset:
+                return sample
 
     def state_dict(self):
         return self._state(count=self.count, start=self.start)
@@ -2662,9 +2491,8 @@ class Stride(Stage):
 
 
 class Cache(Stage):
-    """The samples of ``build()`` (a fresh upstream pipeline) kept in ``store`` as they are first
-    read, shared by the pipelines a dataset builds: small data read again and again (validation).
-    Its state is how many it handed out; a new process reads them again into its store."""
+    """The samples of ``build()`` (a fresh upstream pipeline), kept in ``store`` as they are first
+    read for every pipeline a dataset builds; its state is how many it handed out."""
 
     def __init__(self, build, store):
         self.build, self.store, self.index, self._at = build, store, 0, -1
@@ -2715,15 +2543,10 @@ class _Several(Stage):
                     for k, pipeline in enumerate(self.pipelines)]
         return self._state(index=self._merged(olds, ctx), upstream=upstream)
 
-    def close(self):
-        for pipeline in self.pipelines:
-            pipeline.close()
-
 
 class Interleave(_Several):
-    """Samples from ``pipelines`` in the proportions of ``weights``, in a fixed order (smooth
-    weighted round-robin over ``chunk_size`` draws, repeated: no randomness); it ends when the
-    pipeline it draws from ends. For draws at random, or weights that learn, see Mix."""
+    """Samples from ``pipelines`` in the proportions of ``weights``, in a fixed order (a smooth
+    weighted round-robin over ``chunk_size`` draws, repeated), until the one it draws from ends."""
 
     def __init__(self, pipelines, weights=None, *, chunk_size=1024):
         weights = [1] * len(pipelines) if weights is None else list(weights)
@@ -2772,11 +2595,10 @@ class Concat(_Several):
 # -- The chained face: epochraft's API over the stages above (README, "Using data.py on its own")
 
 class CheckpointableDataset(torch.utils.data.IterableDataset):
-    """A recipe for a pipeline, chained as epochraft's tutorial writes it
-    (``CheckpointableDataset.from_files(url).tokenize(tok).concat_chunk(1024).batch(8)``), with
-    its names, arguments and defaults. ``iter(state_dict=None)`` builds the stages anew and
-    returns the top one: an iterator with ``state_dict()`` and ``close()``. Each verb is a stage
-    (DESIGN.md section 2) and keeps its guarantees; ``then(Stage, ...)`` adds one of your own."""
+    """A recipe for a pipeline, chained as epochraft's tutorial writes it, with its names,
+    arguments and defaults (``CheckpointableDataset.from_files(url).tokenize(tok).batch(8)``).
+    ``iter(state_dict=None)`` builds the stages anew and returns the top one; each verb is a
+    stage (DESIGN.md section 2), and ``then(Stage, ...)`` adds one of your own."""
 
     def __init__(self, build):
         self.build = build  # () -> a fresh pipeline
@@ -2797,8 +2619,7 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
     @staticmethod
     def from_files(urls, repeat=False, shuffle_shards=False, format="auto", n_active_shards=10,
                    n_standby_shards=2, timeout=60.0, n_prefetch_samples=10, seed=42, **files):
-        """Shards (Files; ``files``: its other arguments, e.g. rank and world_size), read by
-        up to ``n_active_shards`` slots: fewer where the shards cannot be cut into so many."""
+        """Files over up to ``n_active_shards`` slots (DESIGN.md section 2, the verbs' table)."""
         def build(slots=n_active_shards):
             try:
                 return Files(urls, repeat=repeat, shuffle_shards=shuffle_shards, seed=seed,
@@ -2847,8 +2668,7 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
 
     def tokenize(self, tokenizer, tokenizer_kwargs=None, target_column="text", parallel=True,
                  max_workers=1, prefetch_factor=10, ordered=True, executor_type="thread"):
-        """Tokenize on ``max_workers`` threads (the tokenizer releases the GIL); it keeps the
-        order whatever ``ordered`` says, and takes ``add_special_tokens`` of tokenizer_kwargs."""
+        """Tokenize on ``max_workers`` threads, in order (DESIGN.md section 2, the verbs' table)."""
         kwargs = dict(tokenizer_kwargs or {})
         special = kwargs.pop("add_special_tokens", True)
         _refuse("tokenize", kwargs and f"tokenizer_kwargs {sorted(kwargs)}",
