@@ -2453,41 +2453,40 @@ class Count(Stage):
 
 
 class Stride(Stage):
-    """Every ``interval``-th sample from the ``offset``-th: ranks share out one stream, in an
-    order that does not depend on their number and that a reshard continues (DESIGN.md 4)."""
+    """Every ``interval``-th sample from the ``offset``-th, read in blocks of ``interval``: ranks
+    share out one stream, in an order that does not depend on their number (DESIGN.md 4)."""
 
     def __init__(self, src, interval, offset):
         if not 0 <= offset < interval:
             raise ValueError(f"Stride: offset={offset} must be in [0, interval={interval})")
         self.src, self.interval, self.offset = src, interval, offset
         self.config = {"world_size": interval, "rank": offset}  # (the names reshard changes)
-        self.count, self.start = 0, 0  # upstream samples read; where this striding began
+        self.count = 0  # upstream samples read: the same on every rank at a step's end
 
     def __next__(self):
-        while True:
-            sample, self.count = next(self.src), self.count + 1
-            if (self.count - 1 - self.start) % self.interval == self.offset:
-                return sample
+        sample = _END
+        for i in range(self.interval):  # the whole block, so that ranks read in step
+            if (item := next(self.src, _END)) is _END:
+                break
+            sample, self.count = item if i == self.offset else sample, self.count + 1
+        if sample is _END:
+            raise StopIteration
+        return sample
 
     def state_dict(self):
-        return self._state(count=self.count, start=self.start)
+        return self._state(count=self.count)
 
     def load_state_dict(self, state):
         self._load(state)
-        self.count, self.start = state["count"], state["start"]
+        self.count = state["count"]
 
     def reshard_state(self, olds, ctx):
-        """Where the old ranks together stood: the stream's first ``n`` samples read, none of
-        the rest. The new ranks stride on from there, with the upstream state read there."""
-        start, world = olds[0]["start"], len(olds)
-        handed = [len(range(start + r, old["count"], world)) for r, old in enumerate(olds)]
-        n = start + sum(handed)
-        at = [old for old in olds if old["count"] == n]
-        if any(old["start"] != start for old in olds) or not at or any(
-                h != len(range(start + r, n, world)) for r, h in enumerate(handed)):
+        """Ranks that stopped in step read the same samples: the new ones read on from there."""
+        if len(counts := {old["count"] for old in olds}) > 1:
             raise ValueError(f"reshard: the ranks stopped at different places of the stream "
-                             f"they stride over ({handed} samples); resume on {world} ranks")
-        return self._state(count=n, start=n, upstream=at[0]["upstream"])
+                             f"they stride over (samples read: {sorted(counts)}); resume on "
+                             f"{len(olds)} ranks")
+        return self._state(count=olds[0]["count"], upstream=olds[0]["upstream"])
 
 
 class Cache(Stage):

@@ -298,8 +298,7 @@ def build_optimizers(model, args):
 
 def get_lr(step, args):
     """The learning rate of the update after ``step`` steps: a linear warmup to --lr, a cosine
-    down to --min-lr at --decay-steps (utils.open_run keeps the run's first --max-steps unless
-    it is given), then --min-lr: a run trained on past it goes on at --min-lr, never back up."""
+    down to --min-lr at --decay-steps (default: the run's first --max-steps), then --min-lr."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
     progress = min(1.0, (step - args.warmup_steps) / max(1, args.decay_steps - args.warmup_steps))
@@ -310,10 +309,9 @@ def get_lr(step, args):
 # --- Data -------------------------------------------------------------------------------------
 
 def mixture(args, state):
-    """Mixing domains (--mix, --odm): (domains, initial weights, mixer), or ([], None, None).
-    The domains are the directories that the first * of --dataset stands for. --odm follows the
-    per-domain losses (a bandit: data.OnlineMixer) from the --mix weights (uniform if not given;
-    natural: measured when the run started, kept in its state)."""
+    """Mixing domains (--mix, --odm), the directories the first * of --dataset stands for:
+    (domains, initial weights, mixer), or ([], None, None). --odm: a bandit over the domains'
+    losses (data.OnlineMixer), from the --mix weights (uniform if not given)."""
     if not args.mix and args.odm == "off":
         return [], None, None
     domains = list(data.find_domains(args.dataset))
@@ -326,18 +324,19 @@ def mixture(args, state):
 
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=None,
                    mixer=None, pin_memory=False):
-    """Documents -> token ids -> chunks of --seq-length -> batches [batch, seq_length].
-
-    Training reads --active-shards shards at a time, round-robin, forever (or --epochs passes)
-    in a seeded order, and shuffles chunks in a buffer. Validation reads its shards once. With
+    """Documents -> token ids -> chunks of --seq-length -> batches [batch, seq_length]. With
     ``weights`` each domain has a pipeline and Mix draws each sequence's domain, with the
     mixer as it stands at the step's start (--odm: it learns from the losses here)."""
+    # --stride: each rank reads all, keeps every world_size-th sequence (DESIGN.md section 4)
+    split = (0, 1) if train and args.stride else (rank, world_size)
     if weights is not None:
-        pipe = data.Mix({name: sequences(pattern, tokenizer, args, rank, world_size, train)
+        pipe = data.Mix({name: sequences(pattern, tokenizer, args, *split, train)
                          for name, pattern in data.find_domains(urls).items()}, weights,
                         seed=args.seed, mixer=mixer)
     else:
-        pipe = sequences(urls, tokenizer, args, rank, world_size, train)
+        pipe = sequences(urls, tokenizer, args, *split, train)
+    if train and args.stride:
+        pipe = data.Stride(pipe, world_size, rank)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
     # Two steps' micro-batches made ahead in a process of its own, off the training thread's
     # GIL, and pinned (copies to the GPU do not wait).
@@ -347,7 +346,8 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
     """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item.
-    Rank r of W reads only slots r, r + W, ... of --active-shards: nothing it would throw away."""
+    Training reads --active-shards splits at a time, round-robin, endlessly (or --epochs
+    passes); rank r of W only slots r, r + W, ...: nothing it would throw away."""
     pipe = data.source(urls, train=train, rank=rank, world_size=world_size,
                        slots=args.active_shards if train else 4, epochs=args.epochs,
                        seed=args.seed, sft=args.task == "sft", tokenizer=tokenizer,
@@ -380,8 +380,7 @@ def validation_batches(args, tokenizer, domains, rank):
 # --- Checkpoints (the layout: DESIGN.md section 3) --------------------------------------------
 
 def load_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx):
-    """Everything save_checkpoint wrote, the RNG states last (after all else has drawn from
-    them). A file that does not load ends the run in one paragraph (utils.CheckpointReader)."""
+    """Everything save_checkpoint wrote, the RNG states last (after all else has drawn)."""
     with utils.CheckpointReader(run, ctx) as ckpt:
         if args.fsdp:  # each rank loads its shards; DCP reshards when the world size changed
             model_state, optim_state = get_state_dict(model, optimizers)
@@ -682,6 +681,7 @@ def get_parser():
 
     add, fixed = parser.group("distributed (under torchrun)")
     fixed("--fsdp", action="store_true", help="shard weights, gradients, optimizer state (FSDP2)")
+    fixed("--stride", action="store_true", help="ranks read all data, keep every W-th sequence")
     add("--dist-timeout", type=finite(0, above=True), default=120,
         help="seconds a collective may wait for the other ranks after the first step")
 

@@ -212,3 +212,46 @@ def test_a_stage_with_state_before_tokenize_that_cannot_reshard_is_refused_by_na
                         TOKENIZER)
     with pytest.raises(ValueError, match="the state of Count cannot be split across ranks"):
         data.reshard(one, states)
+
+
+def test_stride_gives_the_trainers_pipeline_one_order_on_any_number_of_ranks(tmp_path):
+    """--stride with ODM: whatever the number of ranks (at one global batch), step s trains on
+    the same sequences, from the same domains, as on one rank, also across a 2 -> 3 reshard.
+    The mixer learns between steps from losses that are the same on every rank."""
+    for d in range(2):
+        write_corpus(tmp_path / f"dom{d}", [7, 5, 9], seed=d, first_id=100 * d)
+    urls = str(tmp_path / "*/*.jsonl")
+    args = args_for({"seed": 1, "length": 6, "shuffle": 4}, "--odm=exp3", "--stride",
+                    "--odm-warmup-steps=1", f"--dataset={urls}")
+    args.epochs = None  # (endless: the steps run through several epochs)
+
+    def ranks(world, states=None):
+        args.grad_accum = 6 // world  # (a global batch of 6 sequences)
+        pipes, mixers = [], []
+        for rank in range(world):
+            _, weights, mixer = train_llm.mixture(args, {"config": {}})
+            pipes.append(train_llm.build_pipeline(urls, TOKENIZER, args, rank, world, train=True,
+                                                  weights=weights, mixer=mixer))
+            mixers.append(mixer)
+            if states:
+                data.reshard(pipes[-1], states)
+        return pipes, mixers
+
+    def steps(pipes, mixers, first, n):
+        """The sequences of n steps from step ``first``, in the global order: micro-batch j of
+        rank r holds sequence j * world + r of the step."""
+        out = []
+        for step in range(first, first + n):
+            batches = [[next(pipe) for _ in range(args.grad_accum)] for pipe in pipes]
+            out += [(batches[r][j]["input_ids"].tolist(), batches[r][j]["domain"].tolist())
+                    for j in range(args.grad_accum) for r in range(len(pipes))]
+            for mixer in mixers:
+                mixer.update({0: 1 + step % 3, 1: 2 - step % 2}, step + 1)
+        return out
+
+    one = steps(*ranks(1), 0, 10)
+    assert steps(*ranks(3), 0, 10) == one
+    two = ranks(2)
+    assert steps(*two, 0, 4) == one[:24]
+    states = [json.loads(json.dumps(pipe.state_dict())) for pipe in two[0]]
+    assert steps(*ranks(3, states), 4, 6) == one[24:]
