@@ -5,30 +5,42 @@ shipped model ÷ plain GPT of the same shape) are each one number.
 
     python benchmarks/bench_loop.py                          # the demo's defaults, shipped model
     python benchmarks/bench_loop.py --models shipped plain   # and a plain GPT of the same shape
-    python benchmarks/bench_loop.py --rounds 3 --steps 60 -- --device cuda \
-        --model-name assets/gpt2-124m --seq-length 1024 --batch-size 16   # on a GPU
+    python benchmarks/bench_loop.py --apart --rounds 3 --steps 100 --warmup 10 -- \
+        --model-name assets/gpt2-124m --seq-length 1024 --batch-size 16 --grad-accum 2  # a GPU
 
 "kit" is train_llm.main() as a user runs it, with the demo's defaults (wandb offline, the
 progress bar, metrics.jsonl, the log every --log-freq steps, Python's GC every --gc-freq), its
 data pipeline replaced by the pre-made batches behind the kit's own Prefetch; validation
 and checkpoints are put past the measured steps. "bare" is a loop of forward, F.cross_entropy,
-backward, clip_grad_norm_, an AdamW step with the lr set by hand, and loss.item(): the loop of
-nanoGPT's train.py without its extras. "plain" is a GPT written here in 40 lines: token and
-position embeddings, pre-norm blocks of causal scaled_dot_product_attention and a 4x MLP with
-tanh GELU, a tied output layer.
+backward, clip_grad_norm_, the kit's optimizers (train_llm.build_optimizers) with the lr set by
+hand, and the loss read: the loop of nanoGPT's train.py without its extras. Its model is the
+kit's, with the kit's skipping of transformers' mask checks (utils.skip_mask_checks), so both
+loops run the same model code. "plain" is a GPT written here in 40 lines: token and position
+embeddings, pre-norm blocks of causal scaled_dot_product_attention and a 4x MLP with tanh GELU,
+a tied output layer.
 
-The loops take turns in one process, a step each, so that they share the process's settings
-(OMP_WAIT_POLICY=PASSIVE, utils.keep_freed_memory) and the machine's drift: before each of the
-kit's steps, its loader runs one step of every bare loop (its own model and optimizer, the same
-batches). The kit's step is timed from the end of those to the start of the next ones, its data
-fetch included. Tokens/s is the mean over the steps after --warmup. A ratio compares the loops
-over blocks of --log-freq steps, each holding one log step (so the loop's periodic costs
-count), and is the median block of all --rounds processes: a stall of the machine, which this
-one has every few seconds, spoils one block, not the figure.
+Taking turns (the default, for a CPU): the loops share a process, a step each, so that they
+share its settings (OMP_WAIT_POLICY=PASSIVE, utils.keep_freed_memory) and the machine's drift:
+before each of the kit's steps, its loader runs one step of every bare loop (its own model and
+optimizer, the same batches; the loss read at once). The kit's step is timed from the end of
+those to the start of the next ones, its data fetch included. Tokens/s is the mean over the
+steps after --warmup. A ratio compares the loops over blocks of --log-freq steps, each holding
+one log step (so the loop's periodic costs count), and is the median block of all --rounds
+processes: a stall of the machine, which this one has every few seconds, spoils one block, not
+the figure.
+
+--apart (for a GPU): each loop in a process of its own, alternated kit, bare, kit, bare, ...
+(--rounds pairs, so that drift hits both), since taking turns would empty the GPU's queue of
+work before each of the kit's steps: each loop here keeps its queue one step deep, reading its
+loss a step late, as it runs alone. Each process's figure is its mean step over the --steps
+steps after --warmup, the GPU waited for at both ends of them; a round's ratio is its kit's
+tokens/s ÷ its bare loop's, printed with the spread (min / median / max) of the rounds' ratios
+and of each loop's step time. The figure is the median round.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,8 +49,11 @@ import time
 import types
 from pathlib import Path
 
+# The workers' OpenMP as the kit's (train_llm.py): read as torch loads, which premade imports.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("shipped", "plain")
+LOOPS = ("kit", "bare")
 
 
 def plain_gpt(config):
@@ -91,23 +106,30 @@ def plain_gpt(config):
 
 class BareLoop:
     """The bare loop: its own copy of a model and optimizer, one step per call on the same
-    batches as the kit's."""
+    batches as the kit's. ``late``: the loss read a step late, as the kit reads its own (a GPU's
+    queue of work kept one step deep); else at once, so that each step's time is its own."""
 
-    def __init__(self, model_kind, args, device, items, create_model):
+    def __init__(self, model_kind, args, device, items, create_model, late=False):
         import torch
         import torch.nn.functional as F
         from transformers import AutoConfig
 
         import train_llm
+        import utils
         torch.manual_seed(args.seed)
         self.model = (create_model(args) if model_kind == "shipped"
-                      else plain_gpt(AutoConfig.from_pretrained(args.model_name))).to(device)
-        self.optimizer, = train_llm.build_optimizers(self.model, args)  # AdamW alone
+                      else plain_gpt(AutoConfig.from_pretrained(args.model_name)))
+        utils.skip_mask_checks(self.model)  # as the kit's build_model: the same model code
+        self.model.to(device)
+        # The kit's optimizers (AdamW, or --optimizer's), each group's lr set by hand each step
+        # as the kit's LambdaLR sets it: its first lr times get_lr's factor.
+        self.optimizers = train_llm.build_optimizers(self.model, args)
+        self.base_lrs = [[group["lr"] for group in o.param_groups] for o in self.optimizers]
         self.inputs = [ids.to(device) for ids in items]
         self.targets = [F.pad(ids[:, 1:], (0, 1), value=-100) for ids in self.inputs]
         self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16,
                                                enabled=device.type == "cuda")
-        self.args, self.n, self.times = args, 0, []
+        self.args, self.late, self.n, self.times, self.pending = args, late, 0, [], None
 
     def step(self):
         import torch
@@ -115,8 +137,10 @@ class BareLoop:
 
         import train_llm
         start = time.perf_counter()
-        for group in self.optimizer.param_groups:
-            group["lr"] = train_llm.get_lr(self.n // self.args.grad_accum, self.args)
+        factor = train_llm.get_lr(self.n // self.args.grad_accum, self.args) / self.args.lr
+        for optimizer, base_lrs in zip(self.optimizers, self.base_lrs):
+            for group, base in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = base * factor
         for _ in range(self.args.grad_accum):
             i = self.n % len(self.inputs)
             with self.autocast():
@@ -125,31 +149,39 @@ class BareLoop:
             loss.backward()
             self.n += 1
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.item()  # (the kit reads its loss a step late; on a CPU neither waits)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not self.late:
+            loss.item()
+        elif self.pending is not None:
+            self.pending.item()  # the step before's: this one's work stays queued
+        self.pending = loss.detach()
         self.times.append(time.perf_counter() - start)
 
 
 class Interleaved:
     """The kit's loader: before each of the kit's steps, one step of every bare loop; then the
     next batch, through the kit's own Prefetch. The kit's step is timed from the end of
-    the bare steps to the start of the next ones (its data fetch included)."""
+    the bare steps to the start of the next ones (its data fetch included). On a GPU, the kit's
+    queued work is waited for before each timing, or with ``edges`` (step boundaries, the
+    first 0) only at those: with no bare loop beside it, the kit runs as it runs alone."""
 
-    def __init__(self, inner, bare, grad_accum, cuda):
+    def __init__(self, inner, bare, grad_accum, cuda, edges=None):
         self.inner, self.bare, self.grad_accum, self.cuda = inner, bare, grad_accum, cuda
-        self.calls, self.times, self.resumed = 0, [], None
+        self.edges, self.calls, self.times, self.resumed = edges, 0, [], None
 
     def __next__(self):
         if self.calls % self.grad_accum == 0:
-            if self.cuda:  # the kit's last kernels (its optimizer step) count as its own
-                __import__("torch").cuda.synchronize()
+            boundary = self.calls // self.grad_accum
+            if self.cuda and (self.edges is None or boundary in self.edges):
+                synchronize()  # the kit's last kernels (its optimizer step) count as its own
             now = time.perf_counter()
             if self.resumed is not None:
                 self.times.append(now - self.resumed)
             for loop in self.bare:
                 loop.step()
-            self.resumed = time.perf_counter()
+            self.resumed = time.perf_counter() if self.bare else now
         self.calls += 1
         return next(self.inner)
 
@@ -157,9 +189,14 @@ class Interleaved:
         return getattr(self.inner, name)
 
 
-def run(kit_model, bare_models, steps, flags, out):
-    """train_llm.main() with ``kit_model`` on the pre-made batches, a step of each bare loop
-    before each of its steps; every loop's step times to ``out``."""
+def synchronize():
+    __import__("torch").cuda.synchronize()
+
+
+def run_kit(kit_model, bare_models, steps, edges, flags, out):
+    """train_llm.main() with ``kit_model`` on the pre-made batches for ``steps`` steps, a step
+    of each bare loop before each of its steps (none: ``edges``, the kit alone); every loop's
+    step times to ``out``."""
     sys.path.insert(0, str(ROOT))
     import premade
 
@@ -175,7 +212,7 @@ def run(kit_model, bare_models, steps, flags, out):
         device = torch_device(args)
         bare = [BareLoop(kind, args, device, items, shipped) for kind in bare_models]
         loaders.append(Interleaved(premade.loader(items, args, pin_memory), bare,
-                                   args.grad_accum, device.type == "cuda"))
+                                   args.grad_accum, device.type == "cuda", edges))
         return loaders[-1]
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,21 +227,56 @@ def run(kit_model, bare_models, steps, flags, out):
     Path(out).write_text(json.dumps(times))
 
 
+def run_bare(model_kind, steps, edges, flags, out):
+    """The bare loop alone for ``steps`` steps, its loss read a step late, in this process set
+    up as the kit sets up its own (the seed, the device, keep_freed_memory on a CPU); its step
+    times (between the starts of its steps, the GPU waited for at ``edges``) to ``out``."""
+    sys.path.insert(0, str(ROOT))
+    import premade
+    import torch
+    from transformers import AutoTokenizer
+
+    import train_llm
+    import utils
+
+    args = train_llm.parse_args(["-e", "bench", *flags])
+    device = torch_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        utils.keep_freed_memory()
+    vocab = len(utils.pretrained(AutoTokenizer, args.tokenizer, "--tokenizer"))  # the kit's
+    loop = BareLoop(model_kind, args, device, premade.random_batches(args, vocab),
+                    train_llm.create_model, late=True)
+    starts = []
+    for boundary in range(steps + 1):  # the last: the end of the last step
+        if device.type == "cuda" and boundary in edges:
+            synchronize()
+        starts.append(time.perf_counter())
+        if boundary < steps:
+            loop.step()
+    times = [b - a for a, b in zip(starts, starts[1:])]
+    Path(out).write_text(json.dumps({f"bare/{model_kind}": times}))
+
+
 def torch_device(args):
     import torch
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def measure(kit_model, args):
-    """One process: each loop's step times after the warm-up steps."""
+def measure(loop, model, args):
+    """One process: each loop's step times over the --steps steps after the warm-up ones."""
+    total = args.warmup + args.steps  # the steps measured end where the last step starts
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, __file__, "--case", kit_model, out.name, "--models", *args.models,
-               "--steps", str(args.warmup + args.steps), "--", *args.flags]
+        cmd = [sys.executable, __file__, "--case", loop, model, out.name,
+               "--models", *args.models, "--steps", str(total + 1),
+               "--warmup", str(args.warmup), *(["--apart"] if args.apart else []),
+               "--", *args.flags]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if result.returncode:
-            sys.exit(f"kit/{kit_model} failed:\n{result.stderr[-3000:]}")
+            sys.exit(f"{loop}/{model} failed:\n{result.stderr[-3000:]}")
         times = json.loads(Path(out.name).read_text())
-    return {name: values[args.warmup:] for name, values in times.items()}
+    return {name: values[args.warmup:total] for name, values in times.items()}
 
 
 def block_ratios(a, b, block):
@@ -215,48 +287,80 @@ def block_ratios(a, b, block):
             for i in range(0, len(a) - block + 1, block)]
 
 
+def spread(values, form):
+    """min / median / max of ``values``, each written with ``form``."""
+    return " / ".join(format(f(values), form) for f in (min, statistics.median, max))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=["shipped"],
                         help="the kit runs each in turn; the bare loop runs all beside it")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per kit model")
+    parser.add_argument("--apart", action="store_true",
+                        help="each loop in a process of its own, kit and bare alternated (GPU)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="processes per kit model (--apart: kit and bare pairs)")
     parser.add_argument("--steps", type=int, default=150, help="measured steps per process")
     parser.add_argument("--warmup", type=int, default=20, help="steps left out first")
-    parser.add_argument("--case", nargs=2, help=argparse.SUPPRESS)  # a worker process
+    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)  # a worker process
     parser.add_argument("flags", nargs="*", help="train_llm.py flags, after --")
     args = parser.parse_args()
     if args.case:
-        return run(args.case[0], args.models, args.steps, args.flags, args.case[1])
+        loop, model, out = args.case
+        edges = {args.warmup, args.steps - 1} if args.apart else None
+        if loop == "bare":
+            return run_bare(model, args.steps - 1, edges, args.flags, out)
+        return run_kit(model, [] if args.apart else args.models, args.steps, edges,
+                       args.flags, out)
 
     sys.path.insert(0, str(ROOT))
     import train_llm
     defaults = train_llm.parse_args(["-e", "bench", *args.flags])
     tokens = defaults.batch_size * defaults.seq_length * defaults.grad_accum
-    rounds = []  # {loop/model: its step times} per process
+    cases = [(loop, model) for model in args.models for loop in LOOPS] if args.apart else [
+        ("kit", model) for model in args.models]
+    rounds = []  # {loop/model: its step times} per round, of its one process or two
     for r in range(args.rounds):
-        for kit_model in args.models:
-            rounds.append(measure(kit_model, args))
-            print(f"round {r + 1}: " + ", ".join(f"{name} {tokens / statistics.mean(s):,.0f}"
-                                                 for name, s in rounds[-1].items())
-                  + " tokens/s", flush=True)
+        rounds.append({})
+        for loop, model in cases:  # --apart: kit, bare, kit, bare, ...
+            times = measure(loop, model, args)
+            rounds[-1] |= times
+            print(f"round {r + 1}, {loop}/{model} process: " + ", ".join(
+                f"{name} {tokens / statistics.mean(s):,.0f}" for name, s in times.items())
+                + " tokens/s", flush=True)
 
-    def ratio(a, b):  # a ÷ b in tokens/s: the median block of all processes that ran both
-        return statistics.median(x for r in rounds if a in r and b in r
-                                 for x in block_ratios(r[a], r[b], defaults.log_freq))
-
-    print(f"\n{tokens} tokens a step, {args.steps} steps after {args.warmup} of warm-up, "
-          f"{args.rounds} rounds; train_llm.py flags: {' '.join(args.flags) or 'the defaults'}")
+    how = "each loop in a process of its own" if args.apart else "the loops taking turns"
+    print(f"\n{tokens} tokens a step ({defaults.batch_size} x {defaults.grad_accum} sequences "
+          f"of {defaults.seq_length}), {args.steps} steps after {args.warmup} of warm-up, "
+          f"{args.rounds} rounds, {how}; the kit's wandb {defaults.wandb}; train_llm.py flags: "
+          f"{' '.join(args.flags) or 'the defaults'}")
     for name in sorted({name for r in rounds for name in r}):
         values = [tokens / statistics.mean(r[name]) for r in rounds if name in r]
         print(f"{name:14} {statistics.median(values):10,.0f} tokens/s (median; each process: "
               + ", ".join(f"{v:,.0f}" for v in values) + ")")
-    print(f"ratios: the median over blocks of {defaults.log_freq} steps (--log-freq)")
+        if args.apart:
+            steps = [1000 * statistics.mean(r[name]) for r in rounds if name in r]
+            print(f"{'':14} step ms, min / median / max of the processes: "
+                  f"{spread(steps, '.2f')}")
+
+    if args.apart:  # each round's ratio of its two processes' mean steps
+        def ratios(a, b):
+            return [statistics.mean(r[b]) / statistics.mean(r[a]) for r in rounds]
+        print("ratios: each round's kit process ÷ its bare process; the median round")
+    else:
+        def ratios(a, b):  # the blocks of all processes that ran both
+            return [x for r in rounds if a in r and b in r
+                    for x in block_ratios(r[a], r[b], defaults.log_freq)]
+        print(f"ratios: the median over blocks of {defaults.log_freq} steps (--log-freq)")
     for model in args.models:
-        print(f"kit ÷ bare, {model} model: {ratio(f'kit/{model}', f'bare/{model}'):.3f} "
-              "(goal ≥ 0.97)")
+        values = ratios(f"kit/{model}", f"bare/{model}")
+        print(f"kit ÷ bare, {model} model: {statistics.median(values):.3f} (goal ≥ 0.97)"
+              + (f"; min / median / max of {len(values)} rounds: {spread(values, '.3f')}"
+                 if args.apart else ""))
     if len(args.models) == 2:
         print(f"bare loop, shipped ÷ plain model: "
-              f"{ratio('bare/shipped', 'bare/plain'):.3f} (goal ≥ 1)")
+              f"{statistics.median(ratios('bare/shipped', 'bare/plain')):.3f} (goal ≥ 1)")
+
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,10 @@ def test_the_gpu_check_runs_on_the_cpu_and_its_correctness_rows_pass(tmp_path):
     assert [row["ok"] for row in correct if row["ok"] is not None] == [True] * 3
     assert "torch.equal: True" in rows["… resumed with --deterministic == uninterrupted"]["value"]
     assert {"save", "speed"} <= {row["group"] for row in report["rows"]}
-    assert "kit's step ÷ bare loop (bench_loop.py)" in rows
+    # The loop's ratio: kit and bare processes alternated, the spread of the pairs and steps.
+    loop = rows["kit's step ÷ bare loop (bench_loop.py)"]["value"]
+    assert "(pairs: min " in loop and "2 kit + 2 bare processes alternated" in loop, loop
+    assert rows["… step ms, kit; bare loop (min / median / max of the processes)"]["value"]
     assert "eager: kit's pipeline ÷ random tokens" in rows
     # The table on stdout holds the same rows.
     assert all(f"| {row['check']} |" in result.stdout for row in report["rows"])
