@@ -2091,6 +2091,14 @@ def _stages(pipeline):
         stages += getattr(stage, "pipelines", None) or [stage.src] * bool(stage.src)
 
 
+def start(pipeline):
+    """Forks each Prefetch of ``pipeline`` now, its state loaded: the trainer does so while its
+    process runs no other thread, whose locks a fork would copy held (DESIGN.md section 6)."""
+    for stage in _stages(pipeline):
+        if isinstance(stage, Prefetch):
+            stage._start()
+
+
 def first_read(pipeline):
     """Has each Prefetch of ``pipeline`` make its first item, raising what it raised (DESIGN.md
     section 3: a resume about to let checkpoints go checks its data first)."""

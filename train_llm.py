@@ -77,10 +77,10 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
     train_loader = (build_loader or build_pipeline)(
         args.dataset, tokenizer, args, rank, world_size, train=True, weights=weights,
         mixer=mixer, pin_memory=ctx.device.type == "cuda")
-    val_batches = validation_batches(args, tokenizer, domains, rank)
-
     if state["checkpoint"]:  # resume: everything that evolves in training comes back
         load_checkpoint(run, model, optimizers, schedulers, extra, train_loader, args, ctx)
+    data.start(train_loader)  # its process forked now, before any other thread starts here
+    val_batches = validation_batches(args, tokenizer, domains, rank)
     log = utils.MetricsLog(run.dir, args, state, rank)  # metrics.jsonl, wandb, progress bar
     run.discard_after_checkpoint(args, ctx, train_loader, extra)  # what a killed run did later
     loss_fn = compile_model(model, args)  # --compile: the model, in place, and the loss

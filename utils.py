@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import pickle
+import queue
 import random
 import resource
 import shlex
@@ -394,9 +395,8 @@ def fresh_state(args, exp_dir, config):
 
 
 def refuse_foreign_checkpoints(exp_dir, state):
-    """Refuse to train beside checkpoints that another run saved (copied in by hand): the run
-    deletes its own old checkpoints, and must never delete those. Each says where it came from
-    (the run_dir of its state.json)."""
+    """Refuse to train beside checkpoints that another run saved (copied in by hand, named by
+    their state.json's run_dir): the run deletes its own old checkpoints, never those."""
     try:  # the run's own record, else (it is lost or torn) the checkpoint it resumes from
         root = json.loads((exp_dir / "state.json").read_text())
         own = root.get("run_id") if {"global_step", "checkpoint", "config"} <= set(root) \
@@ -483,8 +483,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def file_digests(args):
     """The sha256 of each file of a local --tokenizer and of --model-name's config.json, by
-    path: the fingerprint holds paths, and a file edited in place keeps its path. (A model's
-    weights are not: a resume reads its own.)"""
+    path: a file edited in place keeps its path (a resume reads its own weights)."""
     wanted = [Path(args.tokenizer, name) for name in TOKENIZER_FILES] if args.tokenizer else []
     wanted += [Path(args.model_name, "config.json")] if args.model_name else []
     return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for path in wanted
@@ -517,9 +516,8 @@ def environment():
 
 
 def start_wandb(flags, run_id, exp_dir):
-    """The Weights & Biases run of a run (``run_id``: resumed; None: a new one), ``flags`` (a
-    dict) its config. A start that fails (no login, no network, a bad WANDB_* setting) is an
-    OSError that says what to do."""
+    """The Weights & Biases run (``run_id``: resumed; None: new), ``flags`` its config; a start
+    that fails (no login, no network, a bad WANDB_* setting): an OSError saying what to do."""
     import wandb
     try:
         return wandb.init(project=flags["wandb_project"], name=flags["experiment_name"],
@@ -576,14 +574,14 @@ def metric_lines(path):
 
 
 class MetricsLog:
-    """Where each step's metrics go: a line in metrics.jsonl (rank 0), Weights & Biases, the
-    progress bar, and a log line when there is more than the loss to say. Remove wandb here
-    and only here."""
+    """Where each step's metrics go: metrics.jsonl (rank 0), Weights & Biases, the progress bar,
+    a log line when there is more than the loss to say. Remove wandb here and only here."""
 
     def __init__(self, exp_dir, args, state, rank):
         # Opened at the first line, once discard_after_checkpoint has set an old file aside.
         self.path, self.file = exp_dir / "metrics.jsonl" if rank == 0 else None, None
         self.wandb, self.unsent, self.lines, self.last, self.held = None, [], [], None, 0
+        self.queue, self.sender = queue.SimpleQueue(), None  # (send)
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
@@ -597,8 +595,8 @@ class MetricsLog:
             # metrics.jsonl; what it holds past the checkpoint is not sent twice (send).
             self.unsent = [r for _, r in metric_lines(self.path)
                            if r and self.held < r["step"] <= state["global_step"]]
-            self.send()  # (now: collectives still wait long, and no step is timed)
-        atexit.register(self.flush)  # a run that dies (diverged, bad data) writes the rest
+            self.send()
+        atexit.register(self.close, finish=False)  # a run that dies writes and sends the rest
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0, mininterval=0.5)
 
@@ -630,13 +628,20 @@ class MetricsLog:
         self.send()
 
     def send(self):
-        """Every step's metrics to wandb, a log interval's at a time, no None (MFU on a CPU):
-        why, DESIGN.md section 6."""
+        """Every step's metrics to wandb, a log interval's at a time, through a thread of ours:
+        each wandb.log waits for wandb's own thread (DESIGN.md section 6)."""
+        if self.wandb and self.sender is None:
+            self.sender = threading.Thread(target=self.send_queued, name="wandb", daemon=True)
+            self.sender.start()
         for metrics in self.unsent if self.wandb else ():
             if metrics["step"] > self.held:
-                self.wandb.log({k: v for k, v in metrics.items() if v is not None},
-                               step=metrics["step"])
+                self.queue.put({k: v for k, v in metrics.items() if v is not None})
         self.unsent = []
+
+    def send_queued(self):
+        """The sender thread: each step's metrics, no None (MFU on a CPU), to wandb in order."""
+        while (metrics := self.queue.get()) is not None:
+            self.wandb.log(metrics, step=metrics["step"])
 
     def rewrite_last(self, more):
         """The last step's line again, now with ``more`` in it (a late validation)."""
@@ -648,13 +653,18 @@ class MetricsLog:
         self.flush()
         LOGGER.info(format_metrics(self.last))
 
-    def close(self):
+    def close(self, finish=True):
+        """Writes and sends what is left (at exit after a failure, wandb's own handler finishes)."""
         self.flush()
         self.progress.close()
         if self.file:
             self.file.close()
         if self.wandb:
-            self.wandb.finish()
+            self.queue.put(None)
+            self.sender.join()
+            if finish:
+                self.wandb.finish()
+            self.wandb = None
 
 
 def stop_on_signals(loader):
@@ -720,8 +730,7 @@ def out_of_data(batches, step, args, ctx, loader):
 
 def check_first_batches(batches, tokenizer, args, ctx, loader):
     """A new run's first step must score something besides special tokens: empty documents
-    ("text": "", or a field that holds nothing the tokenizer keeps) would train on BOS and EOS
-    alone, for ever."""
+    ("text": "", or nothing the tokenizer keeps) would train on BOS and EOS alone, for ever."""
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     targets = [b["labels"] if "labels" in b else b["input_ids"] for b in batches]
     scored = [t[:, 1:][t[:, 1:] != -100] for t in targets]  # each token's next one
@@ -817,9 +826,8 @@ def peer_gone(error):
 
 
 def tell_torchrun(message, cause=True):
-    """Under torchrun, ``message`` into this rank's error file, which torchrun's table of failures
-    shows (the earliest as the root cause); a rank stopped by another's failure dates its entry
-    a second later (torchrun's timestamps are whole seconds): never taken for the cause."""
+    """Under torchrun, ``message`` into this rank's error file, for torchrun's table of failures;
+    a rank stopped by another's failure dates it a second later: never taken for the cause."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     when = str(int(time.time()) + (0 if cause else 1))
     if path:  # (the format of torch.distributed.elastic's ErrorHandler.record_exception)
@@ -962,11 +970,9 @@ def format_metrics(m):
 
 
 def flops_per_token(model, seq_length):
-    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM paper, appendix B).
-    6N: a multiply-add per weight and token forward, twice that backward; N leaves out the input
-    embedding (a lookup) unless the output layer shares it. 12·L·H·Q·T: attention's scores and
-    weighted sum (L layers, H heads of size Q, T tokens). A model without a transformers config:
-    6N, N all its weights."""
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B), N
+    without the input embedding (a lookup) unless the output layer shares it; attention's
+    scores and sum over L layers, H heads of size Q, T tokens. No transformers config: 6N."""
     n = sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
@@ -981,10 +987,8 @@ def flops_per_token(model, seq_length):
 
 
 class Profiler(contextlib.AbstractContextManager):
-    """--profile-steps A:B: a torch.profiler trace of steps A to B per rank in RUN/profile/, and
-    in the log the mean time per step of the loop's record_function ranges (DESIGN.md section
-    7). ``with Profiler(...) as profiler:`` around the loop, ``profiler.step(step)`` as a step
-    begins: it warms up a step before A, writes the trace as B + 1 begins (or the loop ends)."""
+    """--profile-steps A:B: a trace of steps A to B per rank in RUN/profile/ and a table of the
+    loop's record_function ranges in the log (DESIGN.md section 7); a step before A warms up."""
 
     def __init__(self, steps, run_dir, ctx):
         self.first, self.last = steps or (0, -1)
@@ -1035,9 +1039,8 @@ class Profiler(contextlib.AbstractContextManager):
 # --- Distributed helpers ----------------------------------------------------------------------
 
 def die_with_parent():
-    """Ask the kernel (Linux) to kill this rank with torchrun, whose ranks each run in a session
-    of their own: killed (kill -9, the OOM killer), it would leave them training on as orphans,
-    writing into the run directory next to the run that resumes it."""
+    """Ask Linux to kill this rank with torchrun (its ranks run in sessions of their own): else a
+    killed torchrun would leave them training on as orphans, beside the run that resumes it."""
     if sys.platform.startswith("linux"):
         parent = os.getppid()
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
@@ -1055,9 +1058,8 @@ def deterministic():
 
 
 def gradient_sync(model, enabled):
-    """A context in which backward does (or does not) average gradients across ranks: with
-    gradient accumulation only the last micro-batch's needs to (DDP: no_sync(), FSDP2:
-    set_requires_gradient_sync())."""
+    """A context in which backward does (or does not) average gradients across ranks: only the
+    last micro-batch's (DDP: no_sync(), FSDP2: set_requires_gradient_sync())."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
     elif hasattr(model, "no_sync") and not enabled:  # DDP
@@ -1205,9 +1207,8 @@ def parameter_count(model):
 
 
 def aux_loss_weight(model):
-    """What a model's own loss term (its output's aux_loss) is multiplied by: the weight that
-    transformers' MoE models keep on the model or its config (router_aux_loss_coef; JetMoE's
-    aux_loss_coef), else 1: they return the term unweighted and weigh it in their own loss."""
+    """The weight of a model's own loss term (its output's aux_loss), which transformers' MoE
+    models keep unapplied: router_aux_loss_coef (JetMoE: aux_loss_coef), else 1."""
     holders = (unwrap(model), getattr(unwrap(model), "config", None))
     return next((getattr(h, name) for h in holders for name in ("router_aux_loss_coef",
                  "aux_loss_coef") if getattr(h, name, None) is not None), 1)
@@ -1478,9 +1479,8 @@ def write_failure(path, error):
 
 
 def save_tensors(obj, f):
-    """torch.save, without the CRC-32 of every record in its zip archive: torch.load never
-    checks it, and computing it took 0.6 s of CPU per 1.3 GB, CPU that a background save
-    takes from training."""
+    """torch.save without the CRC-32 of each record of its zip: torch.load never checks it, and
+    it took 0.6 s of CPU per 1.3 GB, which a background save takes from training."""
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -1498,9 +1498,8 @@ def write_atomic(path, text):
 
 
 def _step_dirs(exp_dir, complete=False):
-    """{step: directory} of the checkpoints under the names the kit gives them only
-    (step-000400), so that a copy a user named step-400 is never deleted; ``complete``: those
-    that carry their run state (every complete one)."""
+    """{step: directory} of the checkpoints named as the kit names them (step-000400: a copy
+    named step-400 is never deleted); ``complete``: those that carry their run state."""
     root = exp_dir / "checkpoints"
     named = {d.name[5:]: d for d in root.glob("step-*")} if root.exists() else {}
     return {int(n): d for n, d in named.items() if n.isascii() and n.isdigit() and

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -263,24 +265,53 @@ def test_init_from_pretrained_starts_from_the_saved_weights(tiny_model, tmp_path
         assert (abs(loss - expected) < 1e-5) == same, (name, loss, expected)
 
 
-def test_every_step_reaches_wandb_in_order_a_log_interval_at_a_time(tmp_path):
-    """MetricsLog hands wandb a log interval's steps at once (one wait for wandb's thread per
-    interval, not per step): every step arrives, in order, a late validation with its step,
-    and no None (wandb would import pandas to look at one)."""
+def test_every_step_reaches_wandb_in_order_and_a_log_step_does_not_wait_for_it(tmp_path):
+    """MetricsLog hands wandb every step, in order, a late validation with its step, and no
+    None (wandb would import pandas to look at one), through a thread of its own: the training
+    thread goes on while a wandb.log waits (for wandb's own thread, in a real run)."""
     args = argparse.Namespace(max_steps=25, wandb="disabled")
     log = utils.MetricsLog(tmp_path, args, {"global_step": 0}, rank=0)
-    sent = []
-    log.wandb = types.SimpleNamespace(log=lambda m, step: sent.append((step, m)),
-                                      finish=lambda: None)
+    sent, answer, late = [], threading.Event(), []
+    log.wandb = types.SimpleNamespace(finish=lambda: None, log=lambda m, step: (
+        sent.append((step, m)), late.append(not answer.wait(timeout=5))))
     for step in range(1, 26):
         speed = {"tokens_per_s": 5.0, "mfu": None} if step % 10 == 0 else {}
         log.write({"step": step, "loss": 1.0 / step, "lr": 0.1, "data_wait": 0.0} | speed)
-        assert [s for s, _ in sent] == list(range(1, step // 10 * 10 + 1))
     log.rewrite_last({"step": 25, "loss": 0.04, "lr": 0.1, "val_loss": 2.0})
+    answer.set()  # (wandb answers only now: had a write waited for it, it would be late)
     log.close()
-    assert [s for s, _ in sent] == list(range(1, 26))
+    assert [s for s, _ in sent] == list(range(1, 26)) and not any(late)
     assert sent[-1][1]["val_loss"] == 2.0
     assert all(None not in m.values() for _, m in sent) and "tokens_per_s" in sent[9][1]
+
+
+@pytest.mark.slow
+def test_the_loaders_process_is_forked_while_no_other_thread_runs(tmp_path, tiny_model):
+    """A fork copies the locks that other threads hold, without the threads: under the default
+    flags (wandb offline, the progress bar) Prefetch forks while the trainer runs its main
+    thread alone, when a run starts and when it resumes."""
+    counted = tmp_path / "count_threads.py"
+    counted.write_text(textwrap.dedent(f"""
+        import json, runpy, sys, threading
+        sys.path.insert(0, {str(ROOT)!r})
+        import data
+        fork = data.Prefetch._start
+        def start(self):
+            if self._pid is None:
+                with open({str(tmp_path / "threads.jsonl")!r}, "a") as f:
+                    f.write(json.dumps([t.name for t in threading.enumerate()]) + "\\n")
+            fork(self)
+        data.Prefetch._start = start
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """))
+    for steps in (2, 3):  # (a start, then a resume)
+        args = train_args(tmp_path, tiny_model, max_steps=steps, ckpt_freq=2, wandb="offline")
+        result = subprocess.run([sys.executable, counted, ROOT / "train_llm.py", *args], cwd=ROOT,
+                                env=ENV, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+    forks = (tmp_path / "threads.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in forks] == [["MainThread"]] * 2
 
 
 def process_state(pid):
