@@ -49,9 +49,7 @@ log = logging.getLogger("data")
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-# ----------------------------------------------------------------------------------------------
-# The stage protocol (DESIGN.md section 2)
-# ----------------------------------------------------------------------------------------------
+# --- The stage protocol (DESIGN.md section 2) -----------------------------------------------------
 
 class Stage:
     """What every stage shares: iteration, close(), a stateless default, the config check
@@ -143,9 +141,7 @@ def _rng_from_json(rng, state):
     return rng
 
 
-# ----------------------------------------------------------------------------------------------
-# Sources: Files (its readers and retries follow it), HFDataset
-# ----------------------------------------------------------------------------------------------
+# --- Sources: Files (its readers and retries follow it), HFDataset --------------------------------
 
 _COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # smart_open decompresses these by their suffix
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
@@ -195,6 +191,9 @@ class SplitError(ValueError):
     def __init__(self, message, n_splits):
         super().__init__(message)
         self.n_splits = n_splits
+
+
+_OPENING = threading.Lock()  # an S3 open makes a boto3 client, not thread-safe (standby shards)
 
 
 class Shards:
@@ -284,7 +283,8 @@ class Shards:
         if http and at:  # (positions then count from ``at``: such a shard is only read on)
             params["headers"] = {"Accept-Encoding": "identity", **params.get("headers", {}),
                                  "Range": f"bytes={at}-"}
-        f = smart_open.open(url, "rb", transport_params=params)
+        with _OPENING if url.startswith("s3://") else contextlib.nullcontext():
+            f = smart_open.open(url, "rb", transport_params=params)
         if http and at:  # the rest of the shard in one answer, or smart_open's seek gets it
             status, answer = f.response.status_code, f.response.headers.get("Content-Range", "")
             span = re.fullmatch(rf"bytes {at}-(\d+)/(\d+)", answer)
@@ -595,7 +595,9 @@ class _Standby:
     def close(self):
         for future in self.pending.values():
             future.add_done_callback(_close_reader)
-        self.pending, self.fresh = {}, True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pending, self.fresh, self._pool = {}, True, None
 
 
 def _chained(records, reader):
@@ -836,22 +838,25 @@ def _read_array(slot, records):
 def _read_cbor(slot, open_shard):
     """A CBOR shard from the slot's offset, checking the record read last (DESIGN.md 2 and 10)."""
     import cbor2
-    url, offset, line = slot["url"], slot["offset"], slot["line"]
-    with open_shard(url, slot.get("last_at", offset)) as f:
-        first, decoder = {"size": _check_size(f, slot)}, cbor2.CBORDecoder(f)
-        if "last_at" in slot and (_row_crc(decoder.decode()) != slot["last_row"]
-                                  or f.tell() != offset):
+    url, offset, line, at = slot["url"], slot["offset"], slot["line"], slot.get("last_at")
+    with open_shard(url, offset if at is None else at) as f:
+        # Positions from where it opened (an HTTP range counts from there); read as needed, not
+        # 4 KB ahead: cbor2 would seek back after each record, a request each on S3 or HTTP.
+        first, decoder = {"size": _check_size(f, slot)}, cbor2.CBORDecoder(f, read_size=1)
+        base = (offset if at is None else at) - f.tell()
+        if at is not None and (_row_crc(decoder.decode()) != slot["last_row"]
+                               or base + f.tell() != offset):
             raise _changed_row(url, f"record {line}")
         while True:
             try:
                 record = decoder.decode()
             except cbor2.CBORDecodeEOF:
-                if f.tell() == offset:  # (the end of the file, between two records)
+                if base + f.tell() == offset:  # (the end of the file, between two records)
                     return
                 raise DataError(f"shard {url}: cut short inside record {line + 1}") from None
             except cbor2.CBORDecodeError as e:
                 raise DataError(f"shard {url}, record {line + 1}: not CBOR: {e}") from e
-            line, at, offset = line + 1, offset, f.tell()
+            line, at, offset = line + 1, offset, base + f.tell()
             yield record, {"offset": offset, "line": line, "last_at": at,
                            "_row": copy.copy(record), **first}
             first = {}
@@ -1225,9 +1230,7 @@ class HFDataset(Stage):
             self.dataset.load_state_dict(self._resumed)
 
 
-# ----------------------------------------------------------------------------------------------
-# Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle
-# ----------------------------------------------------------------------------------------------
+# --- Pretraining transforms, in pipeline order: Tokenize, EnsureBosEos, ConcatChunk, Shuffle ------
 
 def _crc(text):
     """A document's crc32: what a resume checks it skips (Tokenize) or reads on from (Files)."""
@@ -1553,9 +1556,7 @@ class Shuffle(Stage):
                            exhausted=False, rng=ctx.rng(olds))
 
 
-# ----------------------------------------------------------------------------------------------
-# Fine-tuning on instructions (SFT): FormatInstructions, Pack, Pad
-# ----------------------------------------------------------------------------------------------
+# --- Fine-tuning on instructions (SFT): FormatInstructions, Pack, Pad -----------------------------
 
 # The layout of an instruction record (Alpaca's "### " headers): DESIGN.md section 8.
 PROMPT = "{preamble}### Instruction:\n{instruction}\n\n### Response:\n"
@@ -1734,9 +1735,7 @@ class Pad(Stage):
         return _padded(ids, labels, self.length, self.pad_id, self.label_pad_id)
 
 
-# ----------------------------------------------------------------------------------------------
-# Batching and prefetching: collate, Batch, Prefetch
-# ----------------------------------------------------------------------------------------------
+# --- Batching and prefetching: collate, Batch, Prefetch -------------------------------------------
 
 def collate(samples):
     """Stacks samples' tensors, makes a tensor of each field of numbers (domain), lists the rest."""
@@ -1909,10 +1908,7 @@ def _serve(conn, src, depth, every, parent, slots):
     """Prefetch's child: hands out an item per credit ("more"), keeping the state after each
     a while ("state"), and loads the mixer's state when told to ("mixer"). Never returns."""
     try:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        for signum in (signal.SIGINT, signal.SIGTERM):  # the trainer's: it stops us
-            signal.signal(signum, signal.SIG_IGN)
+        _die_with_parent()
         if os.getppid() != parent:  # (it died before prctl)
             return
         torch.set_num_threads(1)  # its ops are small, and OpenMP's pool did not fork
@@ -1966,6 +1962,15 @@ def _serve(conn, src, depth, every, parent, slots):
         os._exit(0)  # never the parent's atexit handlers
 
 
+def _die_with_parent():
+    """A process of the pipeline's (Prefetch's, a ParallelMap's pool's) dies with its parent
+    (Linux); SIGINT and SIGTERM are the trainer's to act on, it stops them."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _portable(error):
     """``error`` with the child's traceback as a note, or a RuntimeError if it cannot cross."""
     if not isinstance(error, StopIteration):
@@ -1976,9 +1981,7 @@ def _portable(error):
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Mixing domains: OnlineMixer, learn_late, Mix
-# ----------------------------------------------------------------------------------------------
+# --- Mixing domains: OnlineMixer, learn_late, Mix -------------------------------------------------
 
 class OnlineMixer:
     """Online Data Mixing (Albalak et al., 2023; DESIGN.md section 9): ``probabilities`` are the
@@ -2078,9 +2081,7 @@ class Mix(Stage):
         return self._state(rng=ctx.rng(olds), upstream=upstream, mixer=olds[0]["mixer"])
 
 
-# ----------------------------------------------------------------------------------------------
-# Resuming on another number of ranks: reshard (DESIGN.md section 4)
-# ----------------------------------------------------------------------------------------------
+# --- Resuming on another number of ranks: reshard (DESIGN.md section 4) ---------------------------
 
 def _stages(pipeline):
     """The stages of ``pipeline`` from its top, through those of a Mix, Interleave, Concat."""
@@ -2142,10 +2143,7 @@ class Resharding:
         return _rng_to_json(rng)
 
 
-# ----------------------------------------------------------------------------------------------
-# The trainer's wiring: source, sft_format, find_domains, natural_sizes, validation_set, and
-# reading a pipeline's state (skipped_records, source_epoch)
-# ----------------------------------------------------------------------------------------------
+# --- The trainer's wiring: source, sft_format, domains, validation_set, state readers -------------
 
 def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, sft=False,
            tokenizer=None, skip_bad_records=False, format=None):
@@ -2285,10 +2283,7 @@ def source_epoch(loader_state):
     return source_epoch(upstream)
 
 
-# ----------------------------------------------------------------------------------------------
-# Stages outside the trainer's pipelines: Map, Filter, FilterMap, ParallelMap, Sequence, Chunk,
-# Count, Stride, Cache, Interleave, Concat; then the chained face, CheckpointableDataset
-# ----------------------------------------------------------------------------------------------
+# --- Stages only users call (Map, ..., Concat), then the chained face: CheckpointableDataset ------
 
 class Map(Stage):
     """Applies ``fn`` to every sample. ``fn`` must be deterministic for resume to be exact."""
@@ -2329,7 +2324,8 @@ class ParallelMap(Stage):
 
     def __init__(self, src, fn, *, max_workers=None, prefetch_factor=10, ordered=True,
                  executor_type="process"):
-        pools = {"thread": ThreadPoolExecutor, "process": concurrent.futures.ProcessPoolExecutor}
+        pools = {"thread": ThreadPoolExecutor, "process": functools.partial(
+            concurrent.futures.ProcessPoolExecutor, initializer=_die_with_parent)}
         if executor_type not in pools:
             raise ValueError(f"executor_type={executor_type!r}: pass 'thread' or 'process'")
         self.src, self.fn, self.ordered, self.pool = src, fn, ordered, pools[executor_type]
@@ -2626,18 +2622,21 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
     @staticmethod
     def from_files(urls, repeat=False, shuffle_shards=False, format="auto", n_active_shards=10,
                    n_standby_shards=2, timeout=60.0, n_prefetch_samples=10, seed=42, **files):
-        """Files over up to ``n_active_shards`` slots (DESIGN.md section 2, the verbs' table)."""
-        def build(slots=n_active_shards):
+        """Files over up to ``n_active_shards`` slots, a multiple of the world size (DESIGN.md
+        section 2, the verbs' table)."""
+        world = files.get("world_size", 1)
+        most = max(1, n_active_shards // world) * world
+
+        def build(slots=most):
             try:
                 return Files(urls, repeat=repeat, shuffle_shards=shuffle_shards, seed=seed,
                              format=None if format == "auto" else format, n_active_shards=slots,
                              n_standby_shards=n_standby_shards, standby_timeout=timeout,
                              n_prefetch_samples=n_prefetch_samples, **files)
             except SplitError as e:
-                most = e.n_splits // files.get("world_size", 1) * files.get("world_size", 1)
-                if not most or slots == most:
+                if not e.n_splits // world or slots == e.n_splits // world * world:
                     raise
-                return build(most)
+                return build(e.n_splits // world * world)
         return CheckpointableDataset(build)
 
     @staticmethod

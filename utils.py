@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import random
+import re
 import resource
 import shlex
 import shutil
@@ -509,9 +510,10 @@ ENVIRONMENT = ("CUDA_", "NCCL_", "OMP_", "PYTORCH_", "TORCH_", "WANDB_", "TORCHE
 
 
 def environment():
-    """NAME=value of each variable of ENVIRONMENT; a secret's value left out (API_KEY=<set>)."""
+    """NAME=value of each ENVIRONMENT variable, secrets left out (KEY=<set>, https://<set>@host)."""
     return " ".join(f"{name}=" + ("<set>" if any(word in name.upper() for word in (
-        "KEY", "TOKEN", "SECRET", "PASSWORD")) else shlex.quote(value))
+        "KEY", "TOKEN", "SECRET", "PASS", "CREDENTIAL", "AUTH")) else shlex.quote(
+        re.sub(r"//[^/@]*@", "//<set>@", value)))
         for name, value in sorted(os.environ.items()) if name.startswith(ENVIRONMENT))
 
 
@@ -628,8 +630,7 @@ class MetricsLog:
         self.send()
 
     def send(self):
-        """Every step's metrics to wandb, a log interval's at a time, through a thread of ours:
-        each wandb.log waits for wandb's own thread (DESIGN.md section 6)."""
+        """Every step's metrics to wandb by a thread of ours, an interval's at a time (DESIGN 6)."""
         if self.wandb and self.sender is None:
             self.sender = threading.Thread(target=self.send_queued, name="wandb", daemon=True)
             self.sender.start()
@@ -641,7 +642,10 @@ class MetricsLog:
     def send_queued(self):
         """The sender thread: each step's metrics, no None (MFU on a CPU), to wandb in order."""
         while (metrics := self.queue.get()) is not None:
-            self.wandb.log(metrics, step=metrics["step"])
+            try:
+                self.wandb.log(metrics, step=metrics["step"])
+            except Exception as e:  # (metrics.jsonl has every step: training goes on)
+                LOGGER.warning(f"wandb did not take step {metrics['step']}: {first_line(e)}")
 
     def rewrite_last(self, more):
         """The last step's line again, now with ``more`` in it (a late validation)."""
@@ -876,8 +880,7 @@ class GarbageCollection:
         self.freq = freq
         gc.disable()
         gc.collect()
-        # What exists now lives for the whole run: frozen, no later collection scans it.
-        gc.freeze()
+        gc.freeze()  # what exists now lives for the whole run: no later collection scans it
 
     def step(self, step):
         if step % self.freq == 0:
@@ -924,8 +927,7 @@ def memory_stats(device):
         return {
             "mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
             "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
-            # Retries mean the caching allocator had to free cached blocks and try again
-            # (fragmentation, close to OOM): a slowdown worth knowing about.
+            # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
             "mem/alloc_retries": stats["num_alloc_retries"],
             "mem/ooms": stats["num_ooms"],
         }
@@ -934,9 +936,8 @@ def memory_stats(device):
     return {"mem/peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GiB}
 
 
-# Dense bf16 tensor-core peaks in FLOP/s from the vendors' data sheets (no sparsity).
-# Matched against torch.cuda.get_device_name() in this order, so specific names come first
-# ("H100 NVL" before "H100", "L40S" and "L40" before "L4").
+# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity), matched against the
+# device's name in this order: specific names first ("H100 NVL" before "H100", "L40S" before "L4").
 PEAK_BF16_FLOPS = {
     "B200": 2250e12,
     "GH200": 989e12,

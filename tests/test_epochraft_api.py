@@ -5,10 +5,12 @@ one order of samples whatever the number of ranks; Files' standby shards change 
 
 import json
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, comparable, examples, jsonl
+from helpers import ROOT, comparable, examples, jsonl, stage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -219,6 +221,43 @@ def test_a_process_pool_maps_in_order_and_resumes_exactly(tmp_path):
     unordered = CheckpointableDataset.from_files(corpus(tmp_path, [10, 7])).parallel_map(
         tag, max_workers=2, ordered=False, executor_type="process")
     assert sorted(s["n"] for s in unordered) == sorted(s["n"] for s in first + rest)
+
+
+def children(pid):
+    """The pids of the processes whose parent is ``pid``."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == str(pid):
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError):  # (gone meanwhile)
+            pass
+    return out
+
+
+def test_a_process_pool_in_prefetchs_process_dies_with_it(tmp_path):
+    """Prefetch's process is killed on close(); its ParallelMap's workers, which ignore SIGTERM
+    as it does (the trainer's signals), must not live on as orphans."""
+    dataset = CheckpointableDataset.from_files(corpus(tmp_path, [30])).parallel_map(
+        tag, max_workers=2, executor_type="process").then(data.Prefetch)
+    it = dataset.iter()
+    next(it)
+    workers = children(it._pid)
+    assert len(workers) == 2
+    it.close()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text()
+              .rsplit(")", 1)[1].split()[0] for pid in workers):
+        assert time.monotonic() < deadline, "a pool worker outlived Prefetch's process"
+        time.sleep(0.01)
+
+
+def test_from_files_reads_as_many_slots_as_the_world_size_divides(tmp_path):
+    """The default 10 slots on 4 ranks: 8, each rank reading its 2."""
+    urls = corpus(tmp_path, [12, 9])
+    ranks = [CheckpointableDataset.from_files(urls, rank=r, world_size=4) for r in range(4)]
+    assert [stage(it.build(), data.Files).config["n_active_shards"] for it in ranks] == [8] * 4
+    assert sorted(s["n"] for d in ranks for s in d) == list(range(21))
 
 
 def test_a_verb_asked_for_what_the_stages_do_not_do_is_refused_by_name():

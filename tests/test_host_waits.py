@@ -75,13 +75,14 @@ def test_no_wait_on_an_ordinary_step(tmp_path, tiny_model):
     """Pretraining, two micro-batches a step: no read of a GPU value, no blocking upload. The
     same run (one run: the fast tier's time) writes the last step's trace and table, and its
     train.log holds the environment that changes a run, with no secret's value."""
-    per_rank = waits_per_step(tmp_path, tiny_model, env={"WANDB_API_KEY": "secret123"})
+    per_rank = waits_per_step(tmp_path, tiny_model, env={
+        "WANDB_API_KEY": "secret123", "WANDB_BASE_URL": "https://me:secret456@wandb.example"})
     assert_no_wait_on_ordinary_steps(per_rank)
     assert_profiled(tmp_path / "run")
     log = (tmp_path / "run/train.log").read_text()
     environment = re.search(r"Environment: (.*)", log).group(1).split()
     assert "OMP_NUM_THREADS=1" in environment and "WANDB_API_KEY=<set>" in environment
-    assert "secret123" not in log
+    assert "secret123" not in log and "secret456" not in log and "https://<set>@" in log
 
 
 @pytest.mark.slow

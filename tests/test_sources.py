@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import boto3
+import cbor2
 import datasets
 import pyarrow
 import pyarrow.parquet
@@ -49,6 +50,10 @@ import data
 from data import DataError, Files, HFDataset
 
 BUCKET = "kit-data"
+
+
+def cbor_bytes(records):
+    return b"".join(map(cbor2.dumps, records))
 
 
 def jsonl_bytes(records):
@@ -106,9 +111,10 @@ def put(s3, key, body):
 
 def test_s3_stream_cut_resume_equal_local(s3, tmp_path):
     shards = [documents(30, 1), documents(17, 2), documents(25, 3)]
+    shards.append(documents(40, 4, size=200))
     bodies = [jsonl_bytes(shards[0]), zstandard.ZstdCompressor().compress(jsonl_bytes(shards[1])),
-              parquet_bytes(shards[2], row_group_size=7)]
-    names = ["s3-a.jsonl", "s3-b.jsonl.zst", "s3-c.parquet"]
+              parquet_bytes(shards[2], row_group_size=7), cbor_bytes(shards[3])]
+    names = ["s3-a.jsonl", "s3-b.jsonl.zst", "s3-c.parquet", "s3-d.cbor"]
     local = []
     for name, body in zip(names, bodies):
         (tmp_path / name).write_bytes(body)
@@ -116,10 +122,13 @@ def test_s3_stream_cut_resume_equal_local(s3, tmp_path):
     remote = [put(s3, name, body) for name, body in zip(names, bodies)]
     args = dict(n_active_shards=2, repeat=True, epochs=2, shuffle_shards=True, seed=3)
     expected = list(Files(local, **args))
-    assert len(expected) == 2 * 72
+    assert len(expected) == 2 * 112
     make = lambda: Files(remote, transport_params={"client": s3}, **args)  # noqa: E731
-    assert run_with_cuts(make, [], 200) == expected
-    assert run_with_cuts(make, [1, 40, 97, 143], 200) == expected
+    assert run_with_cuts(make, [], 250) == expected
+    assert run_with_cuts(make, [1, 40, 97, 143, 201], 250) == expected
+    s3.fetched.clear()  # a CBOR shard is read in one request, not one a record
+    assert len(list(Files(remote[3], transport_params={"client": s3}))) == 40
+    assert len(s3.fetched) == 1
 
 
 def test_s3_resume_is_a_range_read(s3):
@@ -244,7 +253,8 @@ def web_shards(web):
     shards = {"/a.jsonl": jsonl_bytes(documents(40, 4, size=300)),
               "/b.jsonl.gz": gzip.compress(jsonl_bytes(documents(30, 5, size=300))),
               "/c.jsonl": jsonl_bytes(documents(35, 6, size=300)),
-              "/d.parquet": parquet_bytes(documents(20, 7, size=300), row_group_size=6)}
+              "/d.parquet": parquet_bytes(documents(20, 7, size=300), row_group_size=6),
+              "/e.cbor": cbor_bytes(documents(25, 8, size=300))}
     web.files.update(shards)
     web.faults.clear()
     web.budget, web.resume, web.stalled = None, threading.Event(), threading.Event()
@@ -257,12 +267,12 @@ faults = st.lists(st.one_of(st.none(), st.sampled_from([500, 502, 503]),
 
 @settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(schedule=faults, cuts=st.lists(st.integers(0, 125), max_size=2))
+@given(schedule=faults, cuts=st.lists(st.integers(0, 150), max_size=2))
 def test_http_faults_and_cuts_leave_the_stream_unchanged(web, web_shards, schedule, cuts):
     make = lambda: Files(web_shards, n_active_shards=2, retries=30, retry_delay=0)  # noqa: E731
     web.faults.clear()
     clean = run_with_cuts(make, [], 200)
-    assert len(clean) == 125
+    assert len(clean) == 150
     web.faults[:] = schedule
     assert run_with_cuts(make, cuts, 200) == clean
 

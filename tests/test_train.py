@@ -285,6 +285,22 @@ def test_every_step_reaches_wandb_in_order_and_a_log_step_does_not_wait_for_it(t
     assert all(None not in m.values() for _, m in sent) and "tokens_per_s" in sent[9][1]
 
 
+def test_a_step_that_wandb_refuses_is_logged_and_the_later_ones_still_sent(tmp_path, caplog):
+    log = utils.MetricsLog(tmp_path, argparse.Namespace(max_steps=5, wandb="disabled"),
+                           {"global_step": 0}, rank=0)
+    sent = []
+
+    def wandb_log(metrics, step):
+        if step == 2:
+            raise ValueError("bad value")
+        sent.append(step)
+    log.wandb = types.SimpleNamespace(log=wandb_log, finish=lambda: None)
+    for step in range(1, 6):
+        log.write({"step": step, "loss": 1.0, "lr": 0.1})
+    log.close()
+    assert sent == [1, 3, 4, 5] and "wandb did not take step 2: bad value" in caplog.text
+
+
 @pytest.mark.slow
 def test_the_loaders_process_is_forked_while_no_other_thread_runs(tmp_path, tiny_model):
     """A fork copies the locks that other threads hold, without the threads: under the default
