@@ -2318,9 +2318,8 @@ class FilterMap(Map):
 
 
 class ParallelMap(Stage):
-    """FilterMap on ``max_workers`` threads or processes, ``max_workers * prefetch_factor``
-    samples ahead, the state travelling with each (DESIGN.md section 2, rule 1). ``ordered=False``
-    hands out first what is done first: a resume may repeat or skip samples then in flight."""
+    """FilterMap on threads or processes, ``max_workers * prefetch_factor`` samples ahead (DESIGN.md
+    2, rule 1); ``ordered=False``: first done, first out, and a resume may repeat or skip some."""
 
     def __init__(self, src, fn, *, max_workers=None, prefetch_factor=10, ordered=True,
                  executor_type="process"):
@@ -2363,9 +2362,8 @@ class ParallelMap(Stage):
 
 
 class Sequence(Stage):
-    """In-memory samples (a list, a Hugging Face Dataset), read by index in order or shuffled by
-    ``(seed, epoch)``; or, with ``iterable=True``, any iterable that yields the same samples each
-    time it is iterated: a resume iterates it again up to where it stood."""
+    """In-memory samples read by index, in order or shuffled by ``(seed, epoch)``; ``iterable``:
+    one that yields the same samples each time, which a resume iterates again to where it stood."""
 
     def __init__(self, items, *, repeat=False, shuffle=False, seed=0, iterable=False):
         if not iterable and not hasattr(items, "__getitem__"):
@@ -2499,7 +2497,13 @@ class Cache(Stage):
 
     def __init__(self, build, store):
         self.build, self.store, self.index, self._at = build, store, 0, -1
-        self.config = {"cache": True}
+
+    @property
+    def config(self):  # the upstream's state at its start: a state loads only into the same data
+        if "config" not in self.store:
+            with self.build() as fresh:
+                self.store["config"] = {"upstream": _crc(json.dumps(fresh.state_dict()))}
+        return self.store["config"]
 
     def __next__(self):
         items = self.store.setdefault("items", [])
@@ -2598,10 +2602,9 @@ class Concat(_Several):
 # -- The chained face: epochraft's API over the stages above (README, "Using data.py on its own")
 
 class CheckpointableDataset(torch.utils.data.IterableDataset):
-    """A recipe for a pipeline, chained as epochraft's tutorial writes it, with its names,
-    arguments and defaults (``CheckpointableDataset.from_files(url).tokenize(tok).batch(8)``).
-    ``iter(state_dict=None)`` builds the stages anew and returns the top one; each verb is a
-    stage (DESIGN.md section 2), and ``then(Stage, ...)`` adds one of your own."""
+    """A recipe for a pipeline, chained with epochraft's names, arguments and defaults: iter()
+    builds the stages anew and returns the top one; each verb is a stage (DESIGN.md section 2),
+    and ``then(Stage, ...)`` adds one of your own."""
 
     def __init__(self, build):
         self.build = build  # () -> a fresh pipeline
@@ -2622,8 +2625,7 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
     @staticmethod
     def from_files(urls, repeat=False, shuffle_shards=False, format="auto", n_active_shards=10,
                    n_standby_shards=2, timeout=60.0, n_prefetch_samples=10, seed=42, **files):
-        """Files over up to ``n_active_shards`` slots, a multiple of the world size (DESIGN.md
-        section 2, the verbs' table)."""
+        """Files, up to ``n_active_shards`` slots, a multiple of the world size (DESIGN.md 2)."""
         world = files.get("world_size", 1)
         most = max(1, n_active_shards // world) * world
 
@@ -2646,7 +2648,6 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
 
     @staticmethod
     def from_iterable(iterable, repeat=False):
-        """``iterable`` must yield the same samples every time it is iterated."""
         return CheckpointableDataset(lambda: Sequence(iterable, repeat=repeat, iterable=True))
 
     def map(self, fn):

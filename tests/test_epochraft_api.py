@@ -260,6 +260,16 @@ def test_from_files_reads_as_many_slots_as_the_world_size_divides(tmp_path):
     assert sorted(s["n"] for d in ranks for s in d) == list(range(21))
 
 
+def test_a_caches_state_loads_only_into_a_cache_of_the_same_data():
+    ten = CheckpointableDataset.from_sequence([{"i": i} for i in range(10)]).cache()
+    with ten.iter() as it:
+        read(it, 3)
+        state = it.state_dict()
+    other = CheckpointableDataset.from_sequence([{"j": i} for i in range(11)]).cache()
+    with pytest.raises(data.ConfigMismatch, match="Cache: the saved state was made with upstream"):
+        other.iter(state_dict=state)
+
+
 def test_a_verb_asked_for_what_the_stages_do_not_do_is_refused_by_name():
     dataset = CheckpointableDataset.from_sequence([{"text": "a"}])
     with pytest.raises(ValueError, match="tokenize: executor_type='process' not supported"):
