@@ -381,11 +381,11 @@ def test_stride_keeps_one_order_on_1_2_and_3_ranks_past_an_epoch_and_across_a_re
 def test_standby_shards_are_opened_off_the_training_thread_and_change_no_sample(
         tmp_path, monkeypatch):
     urls = corpus(tmp_path, [3, 5, 1, 4, 6, 2, 3, 5])
-    opened = []
+    opened = []  # (of this test's shards: other tests' pipelines may still open theirs)
     reader = data.Shards.reader
     monkeypatch.setattr(data.Shards, "reader", lambda self, slot: (
-        opened.append(threading.current_thread().name.startswith("standby")),
-        reader(self, slot))[1])
+        slot["url"] in urls and opened.append(threading.current_thread().name.startswith(
+            "standby")), reader(self, slot))[1])
 
     def samples(standby):
         return [s["n"] for s in CheckpointableDataset.from_files(
