@@ -2454,9 +2454,10 @@ class Count(Stage):
         self.count = state["count"]
 
 
-class Stride(Stage):
+class Stride(Count):
     """Every ``interval``-th sample from the ``offset``-th, read in blocks of ``interval``: ranks
-    share out one stream, in an order that does not depend on their number (DESIGN.md 4)."""
+    share out one stream, in an order that does not depend on their number (DESIGN.md 4). Its
+    state is Count's, the upstream samples read, and it says how to reshard it."""
 
     def __init__(self, src, interval, offset):
         if not 0 <= offset < interval:
@@ -2474,13 +2475,6 @@ class Stride(Stage):
         if sample is _END:
             raise StopIteration
         return sample
-
-    def state_dict(self):
-        return self._state(count=self.count)
-
-    def load_state_dict(self, state):
-        self._load(state)
-        self.count = state["count"]
 
     def reshard_state(self, olds, ctx):
         """Ranks that stopped in step read the same samples: the new ones read on from there."""
