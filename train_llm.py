@@ -35,6 +35,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
+import muon
 import trained
 import utils
 
@@ -67,7 +68,7 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
     tokenizer, model = build_model(args, ctx.device)
     flops_per_token = utils.flops_per_token(model, args.seq_length)
     model = parallelize(model, args, ctx)  # DDP, or FSDP2 with --fsdp
-    optimizers = build_optimizers(model, args)  # AdamW; --optimizer muon: Muon and AdamW
+    optimizers = build_optimizers(model, args)  # Muon and AdamW, or AdamW (--optimizer)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: get_lr(s, args) / args.lr)
                   for o in optimizers]
     # Your training state, checkpointed: name -> object with state_dict(), load_state_dict().
@@ -169,6 +170,9 @@ def parse_args(argv=None):
     args.tokenizer = args.tokenizer or trained.tokenizer_of(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
+    if args.optimizer == "auto":  # a run keeps its own; Muon pretrains sooner, AdamW fine-tunes
+        tune = bool(args.init_from or args.init_from_pretrained) or args.task == "sft"
+        args.optimizer = utils.recorded(args, "optimizer", "adamw") or ("muon", "adamw")[tune]
     utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT)
     return args
 
@@ -278,22 +282,22 @@ def compile_model(model, args):
 def build_optimizers(model, args):
     """The optimizers, a list (each is scheduled, saved, restored). AdamW, fused (DESIGN.md
     section 6), decays the weight matrices only: decaying biases and LayerNorm gains regularizes
-    nothing. --optimizer muon: torch.optim.Muon on the hidden matrices, AdamW on the rest."""
+    nothing. --optimizer muon: Muon (muon.py) on the hidden matrices, AdamW on the rest."""
     head = getattr(utils.unwrap(model), "get_output_embeddings", lambda: None)()  # (not DDP's)
     outer = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or m is head
              for p in m.parameters()}
     hidden, matrices, vectors = [], [], []
     for p in model.parameters():
-        muon = args.optimizer == "muon" and p.dim() == 2 and id(p) not in outer
-        (hidden if muon else matrices if p.dim() >= 2 else vectors).append(p)
+        orthogonal = args.optimizer == "muon" and p.dim() == 2 and id(p) not in outer
+        (hidden if orthogonal else matrices if p.dim() >= 2 else vectors).append(p)
     adamw = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                                {"params": vectors, "weight_decay": 0.0}],
                               lr=args.lr, betas=(0.9, 0.95), fused=True)
     if not hidden:
         return [adamw]
     # Its updates scaled to AdamW's size ("match_rms_adamw"): one --lr and schedule for both.
-    return [torch.optim.Muon(hidden, lr=args.lr, weight_decay=args.weight_decay,
-                             adjust_lr_fn="match_rms_adamw"), adamw]
+    return [muon.Muon(hidden, lr=args.lr, weight_decay=args.weight_decay,
+                      adjust_lr_fn="match_rms_adamw"), adamw]
 
 
 def get_lr(step, args):
@@ -309,9 +313,8 @@ def get_lr(step, args):
 # --- Data -------------------------------------------------------------------------------------
 
 def mixture(args, state):
-    """Mixing domains (--mix, --odm), the directories the first * of --dataset stands for:
-    (domains, initial weights, mixer), or ([], None, None). --odm: a bandit over the domains'
-    losses (data.OnlineMixer), from the --mix weights (uniform if not given)."""
+    """(domains, initial weights, mixer) of --mix/--odm, or ([], None, None): the directories the
+    first * of --dataset stands for; --odm's bandit (data.OnlineMixer) starts from --mix."""
     if not args.mix and args.odm == "off":
         return [], None, None
     domains = list(data.find_domains(args.dataset))
@@ -338,16 +341,14 @@ def build_pipeline(urls, tokenizer, args, rank, world_size, *, train, weights=No
     if train and args.stride:
         pipe = data.Stride(pipe, world_size, rank)
     pipe = data.Batch(pipe, args.batch_size, drop_last=True)
-    # Two steps' micro-batches made ahead in a process of its own, off the training thread's
-    # GIL, and pinned (copies to the GPU do not wait).
+    # Two steps made ahead in a process of its own (off this GIL), pinned: copies do not wait.
     return data.Prefetch(pipe, depth=2 * args.grad_accum + 1, pin_memory=pin_memory, follow=mixer,
                          every=args.grad_accum) if train else pipe
 
 
 def sequences(urls, tokenizer, args, rank, world_size, train):
-    """The stages up to (and with) the shuffle buffer: one --seq-length sequence per item.
-    Training reads --active-shards splits at a time, round-robin, endlessly (or --epochs
-    passes); rank r of W only slots r, r + W, ...: nothing it would throw away."""
+    """The stages up to the shuffle buffer, one --seq-length sequence per item: --active-shards
+    splits read round-robin, endlessly (or --epochs); rank r of W reads slots r, r + W, ..."""
     pipe = data.source(urls, train=train, rank=rank, world_size=world_size,
                        slots=args.active_shards if train else 4, epochs=args.epochs,
                        seed=args.seed, sft=args.task == "sft", tokenizer=tokenizer,
@@ -426,9 +427,8 @@ def train_step(model, batches, ctx, loss_fn, n_domains=0):
     The gradient is that of the step's mean loss per scored token over all micro-batches and
     ranks, however the batch is cut: each micro-batch's summed loss (``loss_fn``) is divided
     by the step's count of scored tokens (one all-reduce), times the world size, which DDP's
-    averaging divides out (a mean per micro-batch would weigh one with few answer tokens like
-    one with many). Returns this rank's numbers as tensors: "loss" (its share of the mean)
-    and, with domains, "domain_loss", "domain_tokens", "domain_sequences" per domain."""
+    averaging divides out. Returns this rank's numbers as tensors: "loss" (its share of the
+    mean) and, with domains, "domain_loss", "domain_tokens", "domain_sequences" per domain."""
     scored = torch.full((), float(sum(scored_tokens(batch) for batch in batches)),
                         device=ctx.device)  # counted on the CPU, filled in on the device
     if ctx.distributed:
@@ -648,8 +648,8 @@ def get_parser():
     add("--global-batch-size", type=at_least(1), default=None, metavar="N",
         help="sequences per step over all ranks: sets --grad-accum from the world size, so a "
              "run restarted on another number of ranks keeps its batch")
-    fixed("--optimizer", choices=["adamw", "muon"], default="adamw",
-        help="muon: Muon on the hidden matrices, AdamW on the rest (build_optimizers)")
+    fixed("--optimizer", choices=["auto", "adamw", "muon"], default="auto",
+        help="muon: Muon and AdamW (build_optimizers); auto: muon from scratch, else adamw")
     fixed("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
     fixed("--label-smoothing", type=finite(0, high=1), default=0.0, help="of the training loss")
     fixed("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,

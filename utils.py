@@ -63,16 +63,14 @@ RUN = None  # the Run this process opened: what cli() tells, or cleans up, when 
 # --- Flags: argparse types (each checks one flag as it is parsed) and check_args --------------
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's, whose flags are declared in groups (group), those of the run's fingerprint
-    apart; its refusals also reach torchrun's table of failures (tell_torchrun)."""
+    """argparse's, its flags in groups (group); refusals reach torchrun's table (tell_torchrun)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fingerprint = []  # the names of the flags declared with fixed (open_run)
 
     def group(self, title):
-        """A new group's (add, fixed): add_argument, and add_argument for a flag that shapes
-        the run, in its fingerprint: a resume with another value is refused (check_unchanged)."""
+        """(add, fixed) of a new group; fixed's flags shape the run: its fingerprint (open_run)."""
         add = self.add_argument_group(title).add_argument
 
         def fixed(*flags, **options):
@@ -181,10 +179,9 @@ SHIPPED = ("tokenizer", "model_name", "dataset", "val_dataset")
 
 
 def check_args(parser, args, local_paths, shipped):
-    """What no single flag's type can check, before anything is written: the shipped files that
-    a copy of the kit lacks (all in one paragraph; --model-name only beside others: DESIGN.md
-    section 1), the run directory, flags against each other. Local paths of ``local_paths``
-    become absolute: a run resumes, and generate.py finds its tokenizer, from anywhere."""
+    """What no single flag's type can check, before anything is written: the shipped files a
+    copy of the kit lacks (DESIGN.md section 1), the run directory, flags against each other.
+    ``local_paths`` become absolute: a run resumes, and generate.py finds it, from anywhere."""
     missing = [name for name in SHIPPED if not (name == "model_name" and args.init_from)
                and str(getattr(args, name)).startswith(f"{shipped}{os.sep}")
                and _local(getattr(args, name)) is None]
@@ -211,9 +208,6 @@ def check_args(parser, args, local_paths, shipped):
         parser.error(f"--experiment-name {args.experiment_name!r} must name a directory inside "
                      f"--save-dir {args.save_dir}: the run writes (and deletes its own old "
                      "checkpoints) there")
-    if getattr(args, "optimizer", None) == "muon" and args.fsdp:
-        parser.error("--optimizer muon with --fsdp: torch.optim.Muon orthogonalizes each whole "
-                     "matrix, and FSDP gives each rank a shard of it. Train Muon without --fsdp.")
     if getattr(args, "profile_steps", None) and args.profile_steps[1] > args.max_steps:
         parser.error(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]} ends "
                      f"after --max-steps {args.max_steps}: those steps never run")
@@ -450,7 +444,7 @@ def check_unchanged(args, parser, config, saved, when, world_size):
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
             continue
-        if config.get(name) == value:
+        if config.get(name) == value or value == "auto":  # (the script chose from the record)
             continue
         if name == "file_digests":
             changed = sorted(k for k in value.keys() & config[name].keys()
@@ -1014,8 +1008,7 @@ class Profiler(contextlib.AbstractContextManager):
             self.prof.stop()
 
     def write(self, prof):
-        """The trace, its writing timed on each rank; a barrier (30 minutes: a rank may be slow
-        to write); rank 0 logs each rank's seconds and the mean ms per step of each range."""
+        """The trace; rank 0 logs each rank's seconds to write it, each range's ms per step."""
         path = self.dir / "rank{}-steps{}-{}.json".format(self.ctx.rank, *self.steps)
         start = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -1059,8 +1052,7 @@ def deterministic():
 
 
 def gradient_sync(model, enabled):
-    """A context in which backward does (or does not) average gradients across ranks: only the
-    last micro-batch's (DDP: no_sync(), FSDP2: set_requires_gradient_sync())."""
+    """Backward averages gradients across ranks iff ``enabled`` (DDP: no_sync(), FSDP2)."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
     elif hasattr(model, "no_sync") and not enabled:  # DDP
@@ -1746,6 +1738,14 @@ class BackgroundWriter:
         error, self.error = self.error, None
         if error is not None:
             raise error
+
+
+def recorded(args, name, before):
+    """Flag ``name`` as the run at --experiment-name recorded it (``before``: the run predates
+    the flag), or None: a new run, or a state that open_run will refuse."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        state = json.loads((Path(args.save_dir) / args.experiment_name / "state.json").read_text())
+        return state["config"].get(name, before)
 
 
 def run_state(exp_dir, resume_from=None):

@@ -204,10 +204,11 @@ def refused(result, *words):
 
 def copy_kit(dest, script="my_train.py", create_model=None, edits=()):
     """The kit as a learner copies it into a project: train_llm.py (renamed ``script``),
-    data.py, utils.py and trained.py in ``dest``, without assets/ or data/; ``create_model``, source
-    text, replaces the script's create_model; ``edits``: (old, new) text replaced once."""
+    data.py, utils.py, trained.py and muon.py in ``dest``, without assets/ or data/;
+    ``create_model``, source text, replaces the script's create_model; ``edits``: (old, new)
+    text replaced once."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("data.py", "utils.py", "trained.py"):
+    for name in ("data.py", "utils.py", "trained.py", "muon.py"):
         shutil.copy(ROOT / name, dest / name)
     text = (ROOT / "train_llm.py").read_text()
     if create_model:

@@ -388,8 +388,9 @@ def test_the_failing_ranks_paragraph_is_said_last_and_the_others_stop_quietly(ti
 
 @pytest.mark.slow
 def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, corpus, tmp_path):
-    """FSDP2 on CPU with gloo: a run killed and resumed equals one that was not, and its first
-    step equals DDP's up to float rounding (same data, same math)."""
+    """FSDP2 on CPU with gloo, the default optimizer (Muon, on whole matrices: muon.Muon): a run
+    killed and resumed equals one that was not, and its first step equals DDP's up to float
+    rounding (same data, same math)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run_ranks(corpus_args(tmp_path, tiny_model, corpus, name="straight", fsdp=True), ranks=2)
     # dcp.save off the loop. Killed after step 7: the save of step 6 waited for step 3's
@@ -397,6 +398,7 @@ def test_fsdp_trains_saves_sharded_and_resumes_exactly(two_ranks, tiny_model, co
     kill_until_done(corpus_args(tmp_path, tiny_model, corpus, name="killed", fsdp=True,
                                 ckpt_freq=3, checkpoint_writer="background"),
                     killed, tmp_path / "log.txt", at=(7,))
+    assert json.loads((straight / "state.json").read_text())["config"]["optimizer"] == "muon"
     weights = []
     for exp_dir in (straight, killed):
         ckpt = exp_dir / f"checkpoints/step-{CORPUS_STEPS:06d}"

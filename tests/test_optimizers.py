@@ -1,22 +1,19 @@
 """Several optimizers (train_llm.build_optimizers returns a list): --optimizer muon trains Muon
 on the hidden matrices and AdamW on the rest; every optimizer and schedule is stepped, saved and
-restored, each one's learning rate is logged, and a killed Muon run resumes to the very bits."""
+restored, each one's learning rate is logged; muon.Muon computes torch.optim.Muon's update in
+batches; --optimizer auto: Muon from scratch, AdamW to fine-tune, a run's own on resume."""
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    assert_same_run,
-    metrics,
-    refused,
-    straight_and_killed,
-    train,
-    train_args,
-)
+from helpers import ROOT, train
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import muon
 import train_llm
 import utils
 
@@ -79,23 +76,92 @@ def test_every_optimizer_and_schedule_is_saved_and_restored_and_its_lr_logged():
         utils.load_states(optimizers[:1], saved["optimizers"], "optimizer.pt")
 
 
-def test_muon_with_fsdp_is_refused_at_start():
-    with pytest.raises(SystemExit):
-        train_llm.parse_args(["-e", "x", "--optimizer", "muon", "--fsdp"])
+def muon_pair(shapes, **options):
+    """muon.Muon and torch.optim.Muon, each over its own copy of the same random matrices."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return muon.Muon(ours, **options), torch.optim.Muon(theirs, **options)
 
 
-@pytest.mark.slow
-def test_a_killed_muon_run_resumes_bit_identically_and_keeps_its_optimizer(tiny_model,
-                                                                          tmp_path):
-    def muon(name, **overrides):
-        return train_args(tmp_path, tiny_model, name, optimizer="muon", **overrides)
+@pytest.mark.parametrize("options", [{"weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"},
+                                     {"nesterov": False, "adjust_lr_fn": "original"}])
+def test_muon_in_batches_updates_as_torch_optim_muon_does(options):
+    """Stacked by shape (tall ones transposed), to the bit; each one's state loads the other's."""
+    ours, theirs = muon_pair([(16, 48), (16, 48), (48, 16), (16, 16), (64, 16), (48, 16)],
+                             lr=0.02, **options)
+    for _ in range(3):
+        for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"]):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+        for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"]):
+            assert torch.equal(p, q)
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
 
-    straight, killed, resumed = straight_and_killed(muon, tmp_path)
-    assert {"lr/muon", "lr/adamw"} <= set(metrics(straight)[0])
-    assert resumed == [10]
-    assert_same_run(killed, straight)
-    refused(train(train_args(tmp_path, tiny_model, "killed", max_steps=40)), "--optimizer",
-            "'muon'")
+
+def dispatched_ops(optimizer):
+    """The tensor operations that are not views (on a GPU: kernel launches) of a step of
+    ``optimizer`` after its first (which makes the state)."""
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.extend([] if func.is_view else [func])
+            return func(*args, **(kwargs or {}))
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    optimizer.step()
+    with Count():
+        optimizer.step()
+    return len(ops)
+
+
+def test_muon_step_dispatches_a_few_ops_per_shape_not_per_matrix():
+    """A GPT-2's blocks: 4 matrix shapes each. torch.optim.Muon dispatches ~30 ops per matrix
+    (1,376 launches a step for GPT-2 124M); muon.Muon's count does not grow with the blocks."""
+    block = [(16, 48), (16, 16), (16, 64), (64, 16)]
+    counts = {layers: [dispatched_ops(o) for o in muon_pair(block * layers, lr=0.02)]
+              for layers in (2, 6)}
+    assert counts[2][0] == counts[6][0] < counts[2][1] < counts[6][1]
+
+
+def test_the_default_optimizer_is_muon_from_scratch_and_adamw_to_fine_tune(tmp_path):
+    def optimizer(*flags):
+        return train_llm.parse_args(["-e", "x", "--save-dir", str(tmp_path), *flags]).optimizer
+
+    assert optimizer() == "muon"
+    assert optimizer("--task", "sft") == optimizer("--init-from-pretrained") == "adamw"
+    assert optimizer("--optimizer", "adamw") == "adamw"
+
+
+# tests/fixtures/release-run: the shipped kit's run before --optimizer auto (AdamW, the default
+# then), written at /tmp/fixture-root by this command: 4 steps, a checkpoint each 2.
+RELEASE_COMMAND = [
+    "-e", "old", "--save-dir", "{root}/outputs", "--model-name", "{root}/model", "--tokenizer",
+    "{root}/tokenizer", "--dataset", "{root}/data/train-000.jsonl", "--val-dataset",
+    "{root}/data/train-000.jsonl", "-s", "16", "-b", "2", "--max-steps", "4", "--ckpt-freq", "2",
+    "--keep-checkpoints", "1", "--val-batches", "1", "--sample-tokens", "0", "--wandb",
+    "disabled", "--tokenizer-threads", "1", "--shuffle-buffer", "4"]
+
+
+def test_a_run_of_the_previous_release_resumes_with_its_optimizer(tmp_path):
+    """The same command, --max-steps raised: resumed (not refused), with AdamW alone."""
+    root = tmp_path / "release-run"
+    shutil.copytree(ROOT / "tests/fixtures/release-run", root)
+    for path in root.rglob("*.json"):  # the machine's paths, as if it had been written here
+        path.write_text(path.read_text().replace("/tmp/fixture-root", str(root)))
+    command = [flag.format(root=root) for flag in RELEASE_COMMAND]
+    result = train([*command, "--max-steps", "6"])
+    assert result.returncode == 0 and "Resuming" in result.stderr, result.stderr[-2000:]
+    run = root / "outputs/old"
+    assert json.loads((run / "state.json").read_text())["config"]["optimizer"] == "adamw"
+    saved = torch.load(run / "checkpoints/step-000006/optimizer.pt", weights_only=True)
+    assert [group["betas"] for group in saved["param_groups"]] == [(0.9, 0.95)] * 2  # AdamW's
 
 
 def test_two_optimizers_of_one_class_log_each_its_lr():
