@@ -170,9 +170,8 @@ def parse_args(argv=None):
     args.tokenizer = args.tokenizer or trained.tokenizer_of(args.init_from) or DEFAULT_TOKENIZER
     args.val_format = args.val_dataset is not None  # --data-format is for the user's files
     args.val_dataset = shipped + "val-*.jsonl" if args.val_dataset is None else args.val_dataset
-    if args.optimizer == "auto":  # a run keeps its own; Muon pretrains sooner, AdamW fine-tunes
-        tune = bool(args.init_from or args.init_from_pretrained) or args.task == "sft"
-        args.optimizer = utils.recorded(args, "optimizer", "adamw") or ("muon", "adamw")[tune]
+    if args.optimizer == "auto":  # a run keeps its own; a new one trains Muon (README: sooner)
+        args.optimizer = utils.recorded(args, "optimizer", "adamw") or "muon"
     utils.check_args(parser, args, LOCAL_PATHS, shipped=KIT)
     return args
 
@@ -649,7 +648,7 @@ def get_parser():
         help="sequences per step over all ranks: sets --grad-accum from the world size, so a "
              "run restarted on another number of ranks keeps its batch")
     fixed("--optimizer", choices=["auto", "adamw", "muon"], default="auto",
-        help="muon: Muon and AdamW (build_optimizers); auto: muon from scratch, else adamw")
+        help="muon: Muon and AdamW (build_optimizers); auto: a run's own, muon for a new one")
     fixed("--weight-decay", type=finite(0), default=0.1, help="weight decay of the matrices")
     fixed("--label-smoothing", type=finite(0, high=1), default=0.0, help="of the training loss")
     fixed("--grad-clip", type=finite(0, above=True, inf=True), default=1.0,
