@@ -253,8 +253,7 @@ class Shards:
         return [[u, n] for u, n in zip(units, counts)]
 
     def measure(self, url):
-        """(bytes, units to cut into, most splits) of a shard; units None when it cannot be
-        cut. Bytes and records may be cut finer than one per split (some splits are empty)."""
+        """(bytes, units to cut into or None, most splits) of a shard; some splits may be empty."""
         kind = self.kind(url)  # (it retries on its own: not inside the retries below)
 
         def attempt():
@@ -276,8 +275,7 @@ class Shards:
         return self.retry.run(url, "its size", attempt)
 
     def open(self, url, at=0):
-        """The shard for bytes, from byte ``at``: one request there on S3 and HTTP, not one
-        from byte 0 and another after a seek (which would also throw away a socket buffer)."""
+        """The shard for bytes, from byte ``at``: one request there on S3 and HTTP, no seek."""
         params = _merged(_one_owner(url), self.transport_params or {})
         http = url.startswith(("http://", "https://"))
         if http and at:  # (positions then count from ``at``: such a shard is only read on)
@@ -470,8 +468,7 @@ class Files(Stage):
         raise StopIteration
 
     def _next_split(self, i):
-        """Slot i has read its split: it moves on to its next split, keeping its turn, or
-        closes if it has none left. Returns the split if it held no records, else None."""
+        """Slot i moves on to its next split, or closes; the split if it held no records."""
         done, empty = self.slots[i], None
         if self._files[i] is not None:  # (None: a split known to be empty was not opened)
             self._files[i].close()
@@ -1130,8 +1127,7 @@ class _Retry:
         return self.run(url, _where(slot), attempt, reset, first)
 
     def run(self, url, where, attempt, reset=None, first=0):
-        """attempt(), again after each transient fault, up to ``retries`` times in all (the
-        caller spent ``first``); ``reset`` drops a broken reader, to reopen where the slot is."""
+        """attempt(), again after transient faults (``retries`` in all); ``reset``: reopen."""
         for n in range(first, self.retries + 1):
             try:
                 return attempt()
@@ -1243,8 +1239,7 @@ def _crcs(crcs, start=0):
 
 
 class Tokenize(Stage):
-    """Adds ``input_ids`` by tokenizing ``sample[column]`` on ``num_threads`` threads, ``2 *
-    num_threads`` batches ahead; a token file's ids pass (DESIGN.md sections 2, rule 1, and 6)."""
+    """Adds ``input_ids``: ``sample[column]`` tokenized on threads (DESIGN.md 2, rule 1, and 6)."""
 
     # Not in the config: where a batch ends does not change the stream (DESIGN.md 2, rule 1).
     BATCH_CHARS = 1 << 20
@@ -1457,8 +1452,7 @@ def as_tensor(ids):
 
 
 class ConcatChunk(Stage):
-    """Concatenates documents into chunks of exactly ``length`` tokens: the leftover of one
-    (state) starts the next; a finite stream's last partial chunk is dropped."""
+    """Documents concatenated, cut into chunks of ``length`` tokens; the leftover is state."""
 
     def __init__(self, src, length):
         self.src, self.length = src, length
@@ -1512,8 +1506,7 @@ def from_json(data):
 
 
 class Shuffle(Stage):
-    """A buffered shuffle of ``buffer_size`` samples (1: none); the buffer and RNG are state, each
-    sample made JSON once while it waits (a state per item: a list copy, not the buffer encoded)."""
+    """A buffered shuffle (1: none); each sample is made JSON once, while it waits (DESIGN.md 2)."""
 
     def __init__(self, src, buffer_size, *, seed=0):
         self.src, self.buffer_size, self.seed = src, buffer_size, seed
@@ -1572,8 +1565,7 @@ def instruction_prompt(instruction, input="", preamble=PREAMBLE):
 
 
 class FormatInstructions(Stage):
-    """Instruction records (laid out as instruction_prompt, or ``messages`` by the chat template)
-    -> ``input_ids`` and ``labels``, the prompt's ``label_pad_id``: DESIGN.md section 8."""
+    """Instruction records -> ``input_ids`` and ``labels``, the prompt masked (DESIGN.md 8)."""
 
     def __init__(self, src, tokenizer, *, preamble=PREAMBLE, label_pad_id=-100):
         self.src, self.tokenizer, self.preamble = src, tokenizer, preamble
@@ -1772,20 +1764,22 @@ class Batch(Stage):
 
 
 class Prefetch(Stage):
-    """Runs the upstream pipeline ``depth`` items ahead in a process forked at the first next()
-    (DESIGN.md section 6; its arguments: section 2); ``skipped``: bad records skipped so far."""
+    """The upstream run ``depth`` items ahead in a forked process; ``skipped``: bad records."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
+        self._got, self._ring = bytearray(), {}  # (bytes read ahead: _recv; pinned: _own)
+        self._copied = torch.cuda.Event() if pin_memory else None
 
     def _start(self):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
             size = min(SLOT_BYTES, SHARED_BYTES // self.depth) // 64 * 64  # (a slot's bytes)
             self._slots = mmap.mmap(-1, self.depth * size, flags=mmap.MAP_SHARED | NORESERVE)
+            self._view = np.frombuffer(self._slots, np.uint8)
             sys.stdout.flush(), sys.stderr.flush()  # (or the child would write them again)
             parent, self._pid = os.getpid(), os.fork()
             if self._pid == 0:
@@ -1797,12 +1791,11 @@ class Prefetch(Stage):
             self._ask(("more", self.depth))
 
     def _ask(self, message, kind=None):
-        """Sends ``message`` (if any), then returns the child's next message of ``kind`` (items
-        that come before it wait in _ready). A child that is gone is one paragraph."""
+        """Sends ``message`` (if any), then returns the child's next reply of ``kind``."""
         try:
             if message:
-                self._conn.send(message)
-            while kind and (reply := self._conn.recv())[0] != kind:
+                self._conn.send_bytes(pickle.dumps(message))  # (torch's reducers: 5 µs)
+            while kind and (reply := self._recv())[0] != kind:
                 self._ready.append(reply)
             return reply if kind else None
         except (EOFError, OSError):
@@ -1834,30 +1827,56 @@ class Prefetch(Stage):
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
         if isinstance(item, dict):  # (copied out of its slot before the child may reuse it)
-            item = {k: self._tensor(v) if isinstance(v, (Shared, np.ndarray)) else v
-                    for k, v in item.items()}
+            item = self._own(item)
         self._taken += 1
         credits = self.every if self.every < self.depth else 1  # a step's at once: one wake-up
         if self._taken % credits == 0:
             self._ask(("more", credits))
         return item
 
-    def _tensor(self, array):
-        """A tensor of its own (pinned with ``pin_memory``): one copy out of the shared slot."""
-        if isinstance(array, Shared):  # (the slot is the child's again once copied)
-            array = np.ndarray(array.shape, array.dtype, buffer=self._slots, offset=array.offset)
-            array = array if self.pin_memory else array.copy()
-        return torch.from_numpy(array).pin_memory() if self.pin_memory else torch.from_numpy(array)
+    def _own(self, item):
+        """``item``'s tensors out of its slot in one copy, into their own or pinned memory."""
+        shared = [v for v in item.values() if isinstance(v, Shared)]
+        start, size = (shared[0].offset, shared[-1].end - shared[0].offset) if shared else (0, 0)
+        if not self.pin_memory:
+            block = np.empty(size, np.uint8)
+        else:  # the buffer of two steps back, whose copy was issued before the last step began
+            if self._taken % self.every == 0:
+                self._copied.synchronize()  # (the last step's start: never recorded, no wait)
+                self._copied.record()
+            i = self._taken % (2 * self.every)
+            if len(block := self._ring.get(i, np.empty(0, np.uint8))) < size:
+                block = self._ring[i] = torch.empty(size, dtype=torch.uint8).pin_memory().numpy()
+        block[:size] = self._view[start:start + size]  # (numpy's copy: torch's takes threads)
+        for key, value in item.items():
+            if isinstance(value, Shared):
+                value = np.ndarray(value.shape, value.dtype, block, value.offset - start)
+                item[key] = torch.from_numpy(value)
+            elif isinstance(value, np.ndarray):  # (too big for its slot: it crossed the pipe)
+                value = torch.from_numpy(value)
+                item[key] = value.pin_memory() if self.pin_memory else value
+        return item
 
     def _item(self):
         """The child's next item, or StopIteration once ``until`` is set and it is late."""
-        while self.until is not None and not self._conn.poll(1):
+        while self.until is not None and not self._got and not self._conn.poll(1):
             if self.until.is_set():  # (a signal while a read hangs: the run saves and ends)
                 os.kill(self._pid, signal.SIGUSR1)  # the child then only answers "state"
                 self._taken -= self._taken % self.every
                 self._end, self.interrupted = StopIteration(), True
                 raise self._end
         return self._ask(None, "item")
+
+    def _recv(self):
+        """The child's next message; a read takes in all that wait (send_bytes: length, bytes)."""
+        while len(self._got) < 4 or len(self._got) < 4 + int.from_bytes(self._got[:4], "big"):
+            if not (data := os.read(self._conn.fileno(), 1 << 20)):
+                raise EOFError
+            self._got += data
+        n = 4 + int.from_bytes(self._got[:4], "big")
+        message = pickle.loads(self._got[4:n])
+        del self._got[:n]
+        return message
 
     def state_dict(self):
         if not self._taken:  # (this process's copy never runs: its state is the start's)
@@ -1887,7 +1906,7 @@ def _stop(conn, pid):
 # The shared memory's bytes (DESIGN.md 6); MAP_NORESERVE is mmap's own from Python 3.13.
 SLOT_BYTES, SHARED_BYTES = 1 << 26, 1 << 28  # a slot's most, and all slots'
 NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
-Shared = collections.namedtuple("Shared", "offset shape dtype")  # an array in Prefetch's slots
+Shared = collections.namedtuple("Shared", "offset end shape dtype")  # a tensor in the slots
 
 
 def _share(item, slots, slot, depth):
@@ -1899,14 +1918,13 @@ def _share(item, slots, slot, depth):
             value, need = value.numpy(), -(-value.nbytes // 64) * 64  # (aligned for the next)
             if offset + need <= end:
                 np.ndarray(value.shape, value.dtype, buffer=slots, offset=offset)[...] = value
-                value, offset = Shared(offset, value.shape, value.dtype.str), offset + need
+                value = Shared(offset, offset := offset + need, value.shape, value.dtype.str)
         out[key] = value
     return out
 
 
 def _serve(conn, src, depth, every, parent, slots):
-    """Prefetch's child: hands out an item per credit ("more"), keeping the state after each
-    a while ("state"), and loads the mixer's state when told to ("mixer"). Never returns."""
+    """Prefetch's child: an item per credit ("more"), states kept ("state"), mixer's ("mixer")."""
     try:
         _die_with_parent()
         if os.getppid() != parent:  # (it died before prctl)
@@ -1932,7 +1950,7 @@ def _serve(conn, src, depth, every, parent, slots):
                     mix.mixer.load_state_dict(arg)
                     followed, states[made - 1] = followed + 1, src.state_dict()
                 elif command == "state":
-                    conn.send(("state", states[arg]))
+                    conn.send_bytes(pickle.dumps(("state", states[arg])))
                 continue
             try:
                 try:  # (reading ends before any handler below runs: a late SIGUSR1 lands here)
@@ -1952,7 +1970,8 @@ def _serve(conn, src, depth, every, parent, slots):
                 states.pop(made - depth - 2, None)
                 if isinstance(item, dict):  # (credits: the slot's last item was taken)
                     item = _share(item, slots, made % depth, depth)
-            conn.send(("item", item, skipped_records(states.get(made - ended)), error))
+            notice = ("item", item, skipped_records(states.get(made - ended)), error)
+            conn.send_bytes(pickle.dumps(notice))  # (as made: a read may hang after it)
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
         pass
@@ -1963,8 +1982,7 @@ def _serve(conn, src, depth, every, parent, slots):
 
 
 def _die_with_parent():
-    """A process of the pipeline's (Prefetch's, a ParallelMap's pool's) dies with its parent
-    (Linux); SIGINT and SIGTERM are the trainer's to act on, it stops them."""
+    """A process of the pipeline's dies with its parent, SIGINT and SIGTERM ignored (DESIGN 6)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -2031,15 +2049,13 @@ class OnlineMixer:
 
 
 def learn_late(mixer, held, step):
-    """A mixer learns from the losses ``held`` ([step, a loss or None per domain]) of the step
-    before ``step``, read a step late and kept in the run state until then (DESIGN.md 9)."""
+    """A mixer learns from the losses ``held`` of the step before ``step`` (DESIGN.md 9)."""
     if mixer and held and held[0] == step - 1:
         mixer.update({i: loss for i, loss in enumerate(held[1]) if loss is not None}, held[0])
 
 
 class Mix(Stage):
-    """Interleaves named pipelines, each sample's domain (``sample["domain"]``) drawn with its own
-    RNG from ``weights`` or a ``mixer``'s probabilities (DESIGN.md section 9)."""
+    """Interleaves named pipelines, each sample's ``domain`` drawn at random (DESIGN.md 9)."""
 
     def __init__(self, pipelines, weights=None, *, seed=0, mixer=None):
         self.names, self.pipelines = list(pipelines), list(pipelines.values())
@@ -2093,16 +2109,14 @@ def _stages(pipeline):
 
 
 def start(pipeline):
-    """Forks each Prefetch of ``pipeline`` now, its state loaded: the trainer does so while its
-    process runs no other thread, whose locks a fork would copy held (DESIGN.md section 6)."""
+    """Forks each Prefetch of ``pipeline`` now, while no other thread runs (DESIGN.md 6)."""
     for stage in _stages(pipeline):
         if isinstance(stage, Prefetch):
             stage._start()
 
 
 def first_read(pipeline):
-    """Has each Prefetch of ``pipeline`` make its first item, raising what it raised (DESIGN.md
-    section 3: a resume about to let checkpoints go checks its data first)."""
+    """Has each Prefetch of ``pipeline`` make its first item, raising its error (DESIGN.md 3)."""
     for stage in _stages(pipeline):
         if isinstance(stage, Prefetch):
             stage.peek()
@@ -2147,8 +2161,7 @@ class Resharding:
 
 def source(spec, *, train, rank=0, world_size=1, slots=8, epochs=None, seed=0, sft=False,
            tokenizer=None, skip_bad_records=False, format=None):
-    """The documents of a --dataset, as Files over ``slots`` slots or HFDataset (DESIGN.md
-    section 10): training reads endlessly (or ``epochs`` passes), shuffled; else once, in order."""
+    """The documents of a --dataset, as Files or HFDataset (DESIGN.md 10): training's shuffled."""
     required = [] if sft else ["text"]
     local = os.path.exists(spec) or glob.has_magic(spec) or "{" in spec
     name, split = spec, ""
@@ -2318,8 +2331,7 @@ class FilterMap(Map):
 
 
 class ParallelMap(Stage):
-    """FilterMap on threads or processes, ``max_workers * prefetch_factor`` samples ahead (DESIGN.md
-    2, rule 1); ``ordered=False``: first done, first out, and a resume may repeat or skip some."""
+    """FilterMap on threads or processes, samples ahead (DESIGN.md 2, rule 1, and its table)."""
 
     def __init__(self, src, fn, *, max_workers=None, prefetch_factor=10, ordered=True,
                  executor_type="process"):
@@ -2362,8 +2374,7 @@ class ParallelMap(Stage):
 
 
 class Sequence(Stage):
-    """In-memory samples read by index, in order or shuffled by ``(seed, epoch)``; ``iterable``:
-    one that yields the same samples each time, which a resume iterates again to where it stood."""
+    """In-memory samples read by index, in order or shuffled; ``iterable``: DESIGN.md 2's table."""
 
     def __init__(self, items, *, repeat=False, shuffle=False, seed=0, iterable=False):
         if not iterable and not hasattr(items, "__getitem__"):
@@ -2404,8 +2415,7 @@ class Sequence(Stage):
 
 
 class Chunk(Stage):
-    """Cuts each document on its own into ``input_ids`` tensors of ``length`` tokens (its short
-    tail dropped unless ``drop_remainder=False``); the uncut rest of a document is state."""
+    """Cuts each document on its own into ``length`` tokens; the uncut rest is state."""
 
     def __init__(self, src, length, *, drop_remainder=True):
         self.src, self.length, self.drop_remainder = src, length, drop_remainder
@@ -2455,8 +2465,7 @@ class Count(Stage):
 
 
 class Stride(Count):
-    """Every ``interval``-th sample from the ``offset``-th, read in blocks of ``interval``: ranks
-    share out one stream, in an order that does not depend on their number (DESIGN.md 4). Its
+    """Every ``interval``-th sample from the ``offset``-th, read in blocks (DESIGN.md 4); its
     state is Count's, the upstream samples read, and it says how to reshard it."""
 
     def __init__(self, src, interval, offset):
@@ -2486,8 +2495,7 @@ class Stride(Count):
 
 
 class Cache(Stage):
-    """The samples of ``build()`` (a fresh upstream pipeline), kept in ``store`` as they are first
-    read for every pipeline a dataset builds; its state is how many it handed out."""
+    """The samples of ``build()``, kept in ``store`` as first read (DESIGN.md 2, its table)."""
 
     def __init__(self, build, store):
         self.build, self.store, self.index, self._at = build, store, 0, -1
@@ -2546,8 +2554,7 @@ class _Several(Stage):
 
 
 class Interleave(_Several):
-    """Samples from ``pipelines`` in the proportions of ``weights``, in a fixed order (a smooth
-    weighted round-robin over ``chunk_size`` draws, repeated), until the one it draws from ends."""
+    """Samples of ``pipelines`` in the proportions of ``weights``, in a fixed order (DESIGN 2)."""
 
     def __init__(self, pipelines, weights=None, *, chunk_size=1024):
         weights = [1] * len(pipelines) if weights is None else list(weights)
@@ -2596,9 +2603,8 @@ class Concat(_Several):
 # -- The chained face: epochraft's API over the stages above (README, "Using data.py on its own")
 
 class CheckpointableDataset(torch.utils.data.IterableDataset):
-    """A recipe for a pipeline, chained with epochraft's names, arguments and defaults: iter()
-    builds the stages anew and returns the top one; each verb is a stage (DESIGN.md section 2),
-    and ``then(Stage, ...)`` adds one of your own."""
+    """A recipe for a pipeline, chained with epochraft's names (DESIGN.md 2, "The chained face");
+    ``then(Stage, ...)`` adds a stage of your own."""
 
     def __init__(self, build):
         self.build = build  # () -> a fresh pipeline

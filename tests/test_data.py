@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
-from helpers import ROOT, Chunk, Count, Sequence, toy_tokenizer
+from helpers import ROOT, Chunk, Count, Sequence, comparable, run_with_cuts, toy_tokenizer
 
 from data import (
     Batch,
@@ -377,6 +377,56 @@ def test_a_prefetch_given_up_on_a_hung_read_resumes_at_the_last_whole_step(hangs
     resumed.load_state_dict(state)
     assert next(resumed) == hangs_at - hangs_at % 2
     resumed.close()
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_a_prefetch_cut_anywhere_in_a_step_resumes_at_the_next_item(every):
+    """The child tells a step's items in one message; a state taken after any number of them
+    (mid-step, some of the message's items not yet taken) resumes at the next item: the items
+    are the upstream's, in order, each once."""
+    items = [{"input_ids": torch.full((2, 3), i), "mask": torch.arange(5) % (i + 2) == 0, "i": i}
+             for i in range(3 * every + 4)]
+    for cut in range(1, 2 * every + 2):
+        out = run_with_cuts(lambda: Prefetch(Sequence(items), 2 * every + 1, every=every), [cut],
+                            len(items))
+        assert out == [comparable(item) for item in items], cut
+
+
+def test_a_pinned_buffer_is_written_again_only_once_its_copy_to_the_gpu_has_run(monkeypatch):
+    """With pin_memory, items' tensors are views of pinned buffers kept from step to step (two
+    steps of them). The consumer issues a step's copies to the GPU before it takes the next
+    step's first item (as train_llm does), and the event recorded then is waited for before a
+    buffer of the step before is written again. Faked here: pinning, and the event, which
+    counts the copies issued when it was recorded."""
+    copies = []  # the items whose copies were issued, in order
+
+    class Event:
+        recorded = waited = 0
+
+        def record(self):
+            self.recorded = len(copies)
+
+        def synchronize(self):
+            self.waited = self.recorded
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    every = 3
+    batches = [{"input_ids": torch.full((4, 8), i), "labels": torch.full((4, 8), -i), "i": i}
+               for i in range(10 * every)]
+    p = Prefetch(Sequence(batches), 2 * every + 1, every=every, pin_memory=True)
+    last_in = {}  # a buffer's address -> the last item handed out in it
+    for _ in range(10):
+        step = [next(p) for _ in range(every)]
+        for item in step:
+            at = item["input_ids"].data_ptr()
+            assert last_in.get(at, -1) < p._copied.waited, "written before its copy ran"
+            last_in[at] = item["i"]
+        for item in step:  # (the step's copies: the items as the upstream made them)
+            assert comparable(item) == comparable(batches[item["i"]])
+            copies.append(item["i"])
+    assert len(last_in) == 2 * every  # the same buffers, step after step
+    p.close()
 
 
 @pytest.mark.slow
