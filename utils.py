@@ -1681,7 +1681,8 @@ class BackgroundWriter:
     def __init__(self, sync=False, pinned=False, group=None, log=print):
         # torch's stager keeps the CPU copies (pinned: a GPU's) from save to save, keyed by
         # storage (tied weights stay shared); its DefaultStager empties it (before torch 2.13).
-        self.stager = None if sync else StateDictStager(pin_memory=pinned)
+        self.stager = StateDictStager(pin_memory=pinned)
+        self.stager.pin_memory_min_bytes = 1  # (fused AdamW's steps too: unpinned, a copy blocks)
         self.stream = torch.cuda.Stream() if pinned and not sync else None  # the copies'
         self.sync, self.log, self.copied = sync, log, None  # copied: the event the copies end at
         self.group = group  # a process group for the writes' barriers (None: one process)
@@ -1719,8 +1720,7 @@ class BackgroundWriter:
         self.thread.start()
 
     def before_update(self):
-        """Raise a failed background write's error; make the optimizer's update (it changes the
-        weights being copied) wait for the copies of the save in flight, on the GPU alone."""
+        """Raise a failed write's error; hold the update (on the GPU) until the copies end."""
         if self.thread is not None and not self.thread.is_alive():
             self.wait()
         if self.copied is not None:
