@@ -102,7 +102,6 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
         while state["global_step"] < args.max_steps and not stopping:
             step = state["global_step"] + 1
             profiler.step(step)  # --profile-steps: a trace of the record_function ranges
-            writer.check()  # a background save that failed stops the run here
 
             # One optimizer step = --grad-accum micro-batches whose gradients add up.
             with timers["data"], record_function("data"):  # next() by hand: the wait is timed
@@ -124,6 +123,7 @@ def main(build_loader=None):  # build_loader: a stand-in for build_pipeline (ben
             stats |= utils.rank_flags(stop, log_step, train_loader, ctx.device)
             with record_function("update"):
                 stats["grad_norm"] = clip_gradients(model, args, ctx)
+                writer.before_update()  # a failed background save stops the run; copies go first
                 lrs = update(optimizers, schedulers)  # the learning rates this step used
             state["global_step"] = step
             state["tokens_seen"] += tokens_per_step

@@ -44,7 +44,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import tqdm
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 import data
 
@@ -1290,8 +1290,7 @@ def _local(value):
 
 def damaged(ckpt_dir, path, error, resume=False):
     """The paragraph for a checkpoint file that does not load: which one, and the newest older
-    complete checkpoint of its run, if one is left: to pass instead, or (``resume``) the
-    command that resumes from it."""
+    complete checkpoint, to pass instead or (``resume``) with the command that resumes from it."""
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
             f"({type(error).__name__}: {first_line(error)}). Nothing was changed or deleted.")
     step = int(ckpt_dir.name.removeprefix("step-"))
@@ -1357,9 +1356,8 @@ def _fsync_dir(path):
 
 
 class DirectFile:
-    """A file written past the page cache (O_DIRECT; how and why: DESIGN.md section 3): two
-    page-aligned buffers, which a helper thread writes in turn; the last block padded with
-    zeros and the file truncated back. Where O_DIRECT is refused: the page cache."""
+    """A file written past the page cache (O_DIRECT; how and why: DESIGN.md section 3), the
+    last block padded with zeros and the file truncated back."""
 
     BLOCK, CHUNK = 4096, 8 << 20
 
@@ -1446,9 +1444,8 @@ def _write_file(path, write):
 
 
 def write_failure(path, error):
-    """The OSError to raise for a write of ``path`` that failed (a full disk, a file too large,
-    no permission), naming it and the free space; None if ``error`` is no failed write (a bug,
-    which keeps its traceback)."""
+    """The OSError to raise for a write of ``path`` that failed, naming it, the cause and the
+    free space; None if ``error`` is no failed write (a bug, which keeps its traceback)."""
     chain = [error]
     while chain[-1].__context__ is not None:
         chain.append(chain[-1].__context__)
@@ -1472,8 +1469,7 @@ def write_failure(path, error):
 
 
 def save_tensors(obj, f):
-    """torch.save without the CRC-32 of each record of its zip: torch.load never checks it, and
-    it took 0.6 s of CPU per 1.3 GB, which a background save takes from training."""
+    """torch.save without its zip's CRC-32s (0.6 s of CPU per 1.3 GB; DESIGN.md section 3)."""
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -1505,22 +1501,20 @@ KIT_STATES = ("model", "optimizer", "lr_scheduler")  # NAME.pt in a checkpoint (
 
 
 def checkpoint_writer(mode, ctx):
-    """What writes the checkpoints (--checkpoint-writer; auto: DESIGN.md section 3): a thread
-    (BackgroundWriter), whose barriers run on a gloo group of their own (collectives from
-    another thread must not interleave with the loop's), or this one (sync)."""
+    """What writes the checkpoints (--checkpoint-writer; DESIGN.md section 3): a thread
+    (BackgroundWriter, its barriers on a gloo group of its own), or this one (sync)."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
         group = torch.distributed.new_group(backend="gloo",
                                             timeout=datetime.timedelta(minutes=30))
     sync = mode == "sync" or (mode == "auto" and ctx.device.type != "cuda")
-    return BackgroundWriter(sync=sync, group=group, log=LOGGER.info,
-                            pin_memory=ctx.device.type == "cuda")
+    return BackgroundWriter(sync=sync, pinned=ctx.device.type == "cuda", group=group,
+                            log=LOGGER.info)
 
 
 def save_checkpoint(run, files, writer, keep, rank):
     """Save this rank's ``files`` ({name: object}; "dcp": a state dict that every rank writes its
-    shards of) as the checkpoint of the run's current step, through ``writer``. If it exists
-    already (the data ran out right after a save), only state.json is rewritten."""
+    shards of) as the checkpoint of the run's current step, through ``writer``."""
     state = run.state
     step, name = state["global_step"], f"checkpoints/step-{state['global_step']:06d}"
     if state["checkpoint"] == name:
@@ -1545,9 +1539,8 @@ def save_checkpoint(run, files, writer, keep, rank):
 
 
 class CheckpointReader:
-    """The checkpoint a run resumes from (``with CheckpointReader(run, ctx) as ckpt:``). A file
-    that does not load is one paragraph that names it and the older checkpoint to go on from;
-    one that loads but does not fit is never called damaged; other data arguments: the flag."""
+    """The checkpoint a run resumes from (``with CheckpointReader(run, ctx) as ckpt:``); a file
+    that does not load is one paragraph (DESIGN.md section 3), one that does is never damaged."""
 
     def __init__(self, run, ctx):
         self.run, self.ctx = run, ctx
@@ -1564,8 +1557,7 @@ class CheckpointReader:
         return obj
 
     def load_loader(self, loader):
-        """This rank's loader state; on another number of ranks, the states of all the ranks
-        that saved, merged by data.reshard (no document skipped or repeated)."""
+        """This rank's loader state; on another number of ranks, all ranks' merged (reshard)."""
         saved_world, ctx = self.run.state.get("world_size", 1), self.ctx
         ranks = [ctx.rank] if saved_world == ctx.world_size else range(saved_world)
         states = [json.loads(self.path(LOADER_FILE.format(r)).read_text()) for r in ranks]
@@ -1639,8 +1631,7 @@ def first_line(error):
 
 def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: None):
     """Write ``files`` ({name: object}; a function is called with its path: dcp.save) as
-    checkpoints/step-NNNNNN, point state.json at it, then delete all but the newest ``keep`` of
-    the run's own checkpoints, in the order that DESIGN.md section 3 gives. Every rank calls it."""
+    checkpoints/step-NNNNNN in the order of DESIGN.md section 3 (every rank calls it)."""
     final = exp_dir / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -1677,15 +1668,15 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
 
 class BackgroundWriter:
     """Writes checkpoints off the training path, one at a time (DESIGN.md section 3); a write
-    that fails is raised at the next ``check()`` or ``wait()``. ``sync=True``: no thread."""
+    that fails is raised at the next ``before_update()`` or ``wait()``. ``sync``: no thread."""
 
-    def __init__(self, sync=False, pin_memory=False, group=None, log=print):
-        # torch's stager keeps the CPU copies (pinned on CUDA) from one save to the next, keyed
-        # by the tensors' storages: tied weights stay shared, and only the first save allocates.
-        self.options = StagingOptions(use_pinned_memory=pin_memory, use_shared_memory=False,
-                                      use_async_staging=False, use_non_blocking_copy=pin_memory)
-        self.stager = None if sync else DefaultStager(self.options)
-        self.sync, self.log = sync, log
+    def __init__(self, sync=False, pinned=False, group=None, log=print):
+        # torch's stager keeps the CPU copies (pinned: a GPU's) from save to save, keyed by
+        # storage (tied weights stay shared); its DefaultStager empties it (before torch 2.13).
+        self.stager = StateDictStager(pin_memory=pinned)
+        self.stager.pin_memory_min_bytes = 1  # (fused AdamW's steps too: unpinned, a copy blocks)
+        self.stream = torch.cuda.Stream() if pinned and not sync else None  # the copies'
+        self.sync, self.log, self.copied = sync, log, None  # copied: the event the copies end at
         self.group = group  # a process group for the writes' barriers (None: one process)
         self.thread, self.error = None, None
 
@@ -1694,7 +1685,8 @@ class BackgroundWriter:
             torch.distributed.barrier(group=self.group)
 
     def submit(self, name, write, files):
-        """Write ``files`` with ``write`` (here if ``sync``, else in the writer's thread)."""
+        """Write ``files`` with ``write``: here if ``sync``, else in the writer's thread, from CPU
+        copies (a GPU's: made on a side stream while the next step computes)."""
         start = time.perf_counter()
         self.wait()
         staging = time.perf_counter()
@@ -1703,32 +1695,40 @@ class BackgroundWriter:
             held = time.perf_counter() - start
             self.log(f"Saved {name} in {held:.2f} s (synchronously: training waited)")
             return
-        if torch.__version__ < "2.13":  # torch 2.11's stager empties itself after each stage
-            self.stager = DefaultStager(self.options)
-        # JSON files go as text: the stager copies Python slowly (a loader state: 0.7 s, not 0.03).
-        staged = self.stager.stage({name: json.dumps(obj) if name.endswith(".json") else obj
-                                    for name, obj in files.items()})
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())  # this step's weights
+        with torch.cuda.stream(self.stream):  # (None: a no-op)
+            # JSON files go as text: the stager copies Python slowly (0.7 s, not 0.03 s).
+            staged = self.stager.stage({name: json.dumps(obj) if name.endswith(".json") else obj
+                                        for name, obj in files.items()},
+                                       non_blocking=self.stream is not None)
+        self.copied = self.stream and self.stream.record_event()
         held, now = time.perf_counter() - start, time.perf_counter()
         # The rest of the wait was for the save before (--ckpt-freq steps took less than it).
         self.log(f"Saving {name} in the background (training waited {held:.2f} s, "
                  f"{now - staging:.2f} s of it to stage the copies)")
-        self.thread = threading.Thread(target=self._write, args=(name, write, staged),
-                                       name="checkpoint-writer", daemon=True)
+        self.thread = threading.Thread(target=self._write, name="checkpoint-writer", daemon=True,
+                                       args=(name, write, staged, self.copied, files))
         self.thread.start()
 
-    def _write(self, name, write, staged):
+    def before_update(self):
+        """Raise a failed write's error; hold the update (on the GPU) until the copies end."""
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+        if self.copied is not None:
+            torch.cuda.current_stream().wait_event(self.copied)
+            self.copied = None
+
+    def _write(self, name, write, staged, copied, files):
         start = time.perf_counter()
         try:
+            if copied is not None:
+                copied.synchronize()  # the copies are done (``files`` kept their sources alive)
             write(staged)
             self.log(f"Saved {name} (written in the background in "
                      f"{time.perf_counter() - start:.2f} s)")
-        except BaseException as e:  # raised in the training thread (check, wait)
+        except BaseException as e:  # raised in the training thread (before_update, wait)
             self.error = e
-
-    def check(self):
-        """Raise the error of a background write that has failed (once it has ended)."""
-        if self.thread is not None and not self.thread.is_alive():
-            self.wait()
 
     def wait(self):
         """Wait for the write in flight; raise its error if it failed."""

@@ -12,6 +12,13 @@ loop is scaled to 11 steps. The cost of a save is (loop time with saves - loop t
 4; a step time is the loop time without saves / 11. The runs alternate (none, sync,
 background) --repeats times, and the medians are printed, so that a machine that drifts does
 not favour one kind.
+
+Per save, first against later ones (the first allocates the CPU copies that the later reuse):
+what the training thread waited for in the save call (the log's "training waited"), and what
+the save cost the loop, seen in the step times: a save at step N logs steps N - 1 and N at its
+own end, and step N + 1 at the end of step N + 2, so it cost (time from the line of N - 1 to
+that of N + 1) - 2 step times. That holds what the GPU waited too (on a GPU the update after a
+save waits there for the save's copies; the training thread does not).
 """
 
 import argparse
@@ -27,11 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] .*?step (\d+) \| loss", re.M)
 
 
-def loop_seconds(log, first, last):
-    """Seconds between the log lines of steps ``first`` and ``last``."""
-    times = {int(step): datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
-             for stamp, step in STAMP.findall(log)}
-    return (times[last] - times[first]).total_seconds()
+def line_times(log):
+    """{step: seconds} of each step's log line."""
+    return {int(step): datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for stamp, step in STAMP.findall(log)}
 
 
 def run(args, kind, save_dir):
@@ -52,12 +58,14 @@ def run(args, kind, save_dir):
     if result.returncode:
         sys.exit(result.stderr[-3000:])
     log = result.stderr
-    waited = [float(x) for x in re.findall(r"training waited ([\d.]+) s", log)]
-    waited += [float(x) for x in re.findall(r"in ([\d.]+) s \(synchronously", log)]
+    waited = [tuple(map(float, x)) for x in  # (waited, of it staging)
+              re.findall(r"training waited ([\d.]+) s, ([\d.]+) s of it to stage", log)]
+    waited += [(float(x), 0.0) for x in re.findall(r"in ([\d.]+) s \(synchronously", log)]
     written = [float(x) for x in re.findall(r"written in the background in ([\d.]+) s", log)]
     timed = args.steps - 2  # (steps 3 to 13: step 1's line comes at the end of step 2)
     scale = timed / (args.steps - 1) if kind == "before" else 1.0  # (it holds steps 2 to 13)
-    return loop_seconds(log, 1, args.steps) * scale, waited, written
+    times = line_times(log)
+    return (times[args.steps] - times[1]) * scale, waited, written, times
 
 
 def main():
@@ -76,10 +84,18 @@ def main():
     saves = len(range(args.every, args.steps, args.every))  # inside the loop
     loops = {"none": [], "sync": [], "background": []} | ({"before": []} if args.before else {})
     waited, written = {"sync": [], "background": []}, []
+    first, later = ({kind: [] for kind in waited} for _ in range(2))  # (waited, staged, cost)
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for kind in loops:
-                seconds, held, wrote = run(args, kind, Path(tmp) / str(repeat))
+                seconds, held, wrote, times = run(args, kind, Path(tmp) / str(repeat))
+                if kind == "none":  # this repeat's step time, for the costs of its saves
+                    step_time = statistics.median(times[k] - times[k - 1]
+                                                  for k in range(3, args.steps + 1))
+                for i, n in enumerate(range(args.every, args.steps, args.every)):
+                    if kind in first:
+                        cost = times[n + 1] - times[n - 1] - 2 * step_time
+                        (later if i else first)[kind].append((*held[i], cost))
                 loops[kind].append(seconds)
                 waited.get(kind, []).extend(held)
                 written.extend(wrote)
@@ -94,9 +110,15 @@ def main():
     for kind in [k for k in loops if k != "none"]:
         loop = statistics.median(loops[kind])
         cost = (loop - base) / saves
-        held = f"{statistics.median(waited[kind]):.2f}" if waited.get(kind) else ""
+        held = f"{statistics.median(w[0] for w in waited[kind]):.2f}" if waited.get(kind) else ""
         print(f"| {kind} | {loop:.2f} | {cost:.2f} | {cost / step:.2f} | {held} |")
     print(f"| none | {base:.2f} | | | |")
+    print("\n| saves, first / later | training waited (s) | of it staging (s) | cost (s) |"
+          "\n|---|---|---|---|")
+    for kind, saves_of in [(k, s) for k in first for s in (first, later)]:
+        numbers = [statistics.median(save[j] for save in saves_of[kind]) for j in range(3)]
+        kind = f"{kind}, {'first' if saves_of is first else 'later'}"
+        print(f"| {kind} | " + " | ".join(f"{x:.3f}" for x in numbers) + " |")
     if written:
         print(f"\nbackground write: {statistics.median(written):.2f} s per checkpoint (median)")
 

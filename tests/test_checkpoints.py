@@ -67,27 +67,49 @@ def model_and_optimizer(tiny_model):
 
 
 def test_staging_copies_exactly_and_reuses_its_buffers(model_and_optimizer):
+    """Every save after the first copies into the first one's buffers (no growth, on any torch):
+    the copies hold the state of the save's step, whatever training does to it later."""
     model, optimizer = model_and_optimizer
     writer = utils.BackgroundWriter(log=lambda message: None)
     staged = []
     for _ in range(3):
-        staged.append(writer.stager.stage({"model.pt": model.state_dict(),
-                                           "optimizer.pt": optimizer.state_dict(),
-                                           "loader.json": {"slots": [{"offset": 5}]}}))
-    # Every save after the first copies into the first one's buffers: no growth.
+        at_save = model.transformer.wte.weight.detach().clone()
+        writer.submit("step", staged.append, {"model.pt": model.state_dict(),
+                                              "optimizer.pt": optimizer.state_dict(),
+                                              "loader.json": {"slots": [{"offset": 5}]}})
+        writer.before_update()
+        with torch.no_grad():  # the update changes the weights in place
+            model.transformer.wte.weight.add_(1.0)
+        writer.wait()
     first, last = (s["model.pt"] for s in (staged[0], staged[-1]))
     assert all(first[k].data_ptr() == last[k].data_ptr() for k in first)
     live = model.state_dict()
-    assert all(torch.equal(last[k], live[k]) for k in live)
+    wte = live["transformer.wte.weight"].data_ptr()
+    tied = [k for k in live if live[k].data_ptr() == wte]  # (lm_head.weight too)
+    assert len(tied) == 2 and all(torch.equal(last[k], at_save if k in tied else live[k])
+                                  for k in live)
+    assert len({last[k].untyped_storage().data_ptr() for k in tied}) == 1  # (written once)
     assert staged[-1]["optimizer.pt"]["param_groups"] == optimizer.state_dict()["param_groups"]
-    assert staged[-1]["loader.json"] == {"slots": [{"offset": 5}]}
-    # Tied weights stay one storage (written once), and training may change the originals.
-    tied = [k for k in live if live[k] is live["transformer.wte.weight"]]
-    assert len({last[k].untyped_storage().data_ptr() for k in tied}) == 1
-    before = last["transformer.wte.weight"].clone()
-    with torch.no_grad():
-        model.transformer.wte.weight.add_(1.0)
-    assert torch.equal(last["transformer.wte.weight"], before)
+    moments = staged[-1]["optimizer.pt"]["state"][0]
+    assert all(torch.equal(moments[k], v) for k, v in optimizer.state_dict()["state"][0].items())
+    assert json.loads(staged[-1]["loader.json"]) == {"slots": [{"offset": 5}]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's copies run on a side stream")
+def test_the_update_after_a_save_waits_for_its_copies_on_the_gpu():
+    """A GPU's tensors are copied without the training thread waiting; the update that follows
+    before_update() never changes what they copy, and the write sees the copies finished."""
+    weights = torch.randn(64 << 20, device="cuda")  # 256 MB: a copy long enough to overlap
+    expected = weights.cpu()
+    writer = utils.BackgroundWriter(pinned=True, log=lambda message: None)
+    written = []
+    for _ in range(2):  # the second save into the first one's pinned buffers
+        writer.submit("step", lambda staged: written.append(staged["model.pt"]["w"].clone()),
+                      {"model.pt": {"w": weights}})
+        writer.before_update()
+        weights.mul_(2.0)  # the optimizer's update, on the training stream
+        writer.wait()
+    assert torch.equal(written[0], expected) and torch.equal(written[1], expected * 2)
 
 
 def test_a_failed_background_write_is_raised_in_the_training_thread():
@@ -98,8 +120,8 @@ def test_a_failed_background_write_is_raised_in_the_training_thread():
     writer.submit("checkpoints/step-000001", write, {"a.json": {"x": 1}})
     writer.thread.join()  # the write has ended (failed); the next check raises its error
     with pytest.raises(OSError, match="No space left"):
-        writer.check()
-    writer.check()  # raised once: the run has stopped on it
+        writer.before_update()
+    writer.before_update()  # raised once: the run has stopped on it
     with pytest.raises(OSError):
         writer.submit("checkpoints/step-000002", write, {})
         writer.wait()
@@ -147,34 +169,6 @@ def test_sync_and_background_writes_write_the_same_files(tmp_path, model_and_opt
     assert all(torch.equal(x[i][k], y[i][k]) for i in x for k in x[i])
     assert json.loads((a / "loader-rank0.json").read_text()) == {"offset": 3}
     assert (a / "loader-rank0.json").read_bytes() == (b / "loader-rank0.json").read_bytes()
-
-
-def test_background_saves_go_on_under_torch_2_11_whose_stager_empties_itself(
-        tmp_path, model_and_optimizer, monkeypatch):
-    """torch 2.11's DefaultStager clears its own copy tables after each stage, so a second
-    stage of the same stager fails (KeyError: <class 'type'>): each save there gets a new one."""
-    from torch.distributed.checkpoint.staging import DefaultStager
-    real = DefaultStager._stage
-
-    def stage_then_empty(self, state_dict, **kwargs):  # what 2.11 does
-        staged = real(self, state_dict, **kwargs)
-        self._state_dict_stager.close()
-        return staged
-    monkeypatch.setattr(DefaultStager, "_stage", stage_then_empty)
-    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0"))
-    model, optimizer = model_and_optimizer
-    writer = utils.BackgroundWriter(log=lambda message: None)
-    for step in (1, 2):
-        files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
-                 "loader-rank0.json": {"offset": step}}
-        writer.submit("step", lambda staged, step=step: utils.write_checkpoint(
-            tmp_path, step, staged, {"global_step": step, "config": {}, "checkpoint": None},
-            keep=2), files)
-        writer.wait()
-    saved = tmp_path / "checkpoints/step-000002"
-    assert json.loads((saved / "loader-rank0.json").read_text()) == {"offset": 2}
-    weights = torch.load(saved / "model.pt", weights_only=True)
-    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("code, words, not_words", [
