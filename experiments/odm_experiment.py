@@ -50,7 +50,7 @@ def run(variant, seed, args):
                         f"--val-freq={args.val_freq}", f"--log-freq={args.val_freq}",
                         f"--val-batches={args.val_batches}", "--sample-tokens=0",
                         f"--odm-warmup-steps={args.warmup}", f"--ckpt-freq={args.steps}",
-                        "--wandb=disabled", *VARIANTS[variant]],
+                        "--wandb=disabled", "--optimizer=adamw", *VARIANTS[variant]],
                        cwd=ROOT, check=True, capture_output=True)
     return [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
 
