@@ -1741,11 +1741,11 @@ class BackgroundWriter:
 
 
 def recorded(args, name, before):
-    """Flag ``name`` as the run at --experiment-name recorded it (``before``: the run predates
-    the flag), or None: a new run, or a state that open_run will refuse."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        state = json.loads((Path(args.save_dir) / args.experiment_name / "state.json").read_text())
-        return state["config"].get(name, before)
+    """Flag ``name`` as recorded in the state open_run will resume from (``before``: the run
+    predates the flag), or None: a new run, or a run that open_run will refuse."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, SystemExit):
+        state = run_state(Path(args.save_dir) / args.experiment_name, args.resume_from)[0]
+        return state and state["config"].get(name, before)
 
 
 def run_state(exp_dir, resume_from=None):

@@ -164,6 +164,16 @@ def test_a_run_of_the_previous_release_resumes_with_its_optimizer(tmp_path):
     assert [group["betas"] for group in saved["param_groups"]] == [(0.9, 0.95)] * 2  # AdamW's
 
 
+def test_a_torn_state_json_still_resumes_with_the_recorded_optimizer(tmp_path):
+    """Where state.json is torn, the run resumes from its newest checkpoint: its record counts."""
+    shutil.copytree(ROOT / "tests/fixtures/release-run/outputs", tmp_path / "outputs")
+    (tmp_path / "outputs/old/state.json").write_text("{")
+    args = train_llm.get_parser().parse_args(["-e", "old", "--save-dir", str(tmp_path / "outputs")])
+    assert utils.recorded(args, "optimizer", "adamw") == "adamw"
+    args.experiment_name = "new"
+    assert utils.recorded(args, "optimizer", "adamw") is None
+
+
 def test_two_optimizers_of_one_class_log_each_its_lr():
     two = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr) for lr in (0.1, 0.2)]
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in two]
