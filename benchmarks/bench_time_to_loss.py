@@ -8,8 +8,8 @@ Each seed trains the demo twice (python train_llm.py -e NAME: the tiny GPT-2, 60
 --optimizer adamw, nanoGPT's optimizer, as the stand-in for nanoGPT's train.py (per step the two
 learn alike: docs/benchmarks.md). Both validate every --val-freq steps on the same 16 batches.
 The target is the AdamW run's final validation loss; each run's time to it is its training wall
-clock (validations and saves taken out) until its validation loss first reaches it. The runs of
-a seed alternate, so that what else the machine does falls on both.
+clock (validations and saves taken out) until its validation loss first reaches it. A seed's
+two runs follow each other, so that what else the machine does falls on both alike.
 """
 
 import argparse
