@@ -241,8 +241,7 @@ class Run:
 
     def __init__(self, exp_dir, rank):
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, [], None
-        self.state, self.training, self.first_step = None, False, 0
-        self.stepped = False  # this start has trained a step (signals then wait for its end)
+        self.state, self.training = None, False
         if rank != 0:
             return
         self.created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
@@ -292,15 +291,7 @@ class Run:
             if args.resume_from:  # state.json must not name a checkpoint just discarded
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
         self.state["world_size"] = world_size
-        self.training, self.first_step = True, self.state["global_step"]
-
-    def step_taken(self, step, args, ctx):
-        """A step is taken: a signal now waits for the step in flight to end (before, it stops
-        the start at once: stop_at_once). After this start's first, which may be slow on some
-        rank (compiling, loading), collectives wait at most --dist-timeout: a hung rank fails."""
-        self.stepped = True
-        if step == self.first_step + 1 and ctx.distributed:
-            set_collective_timeout(datetime.timedelta(seconds=args.dist_timeout))
+        self.training = True
 
 
 def open_run(args, parser, rank, world_size, script):
@@ -312,8 +303,6 @@ def open_run(args, parser, rank, world_size, script):
                         level=logging.INFO if rank == 0 else logging.WARNING)
     exp_dir = Path(args.save_dir) / args.experiment_name
     RUN = run = Run(exp_dir, rank)  # (rank 0: the directory made, locked, logged to)
-    for signum in (signal.SIGTERM, signal.SIGINT):  # until the loop: stop at once (stop_at_once)
-        signal.signal(signum, stop_at_once)
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
     FILE_LOG.info(f"Environment: {environment()}")  # (train.log alone)
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
@@ -596,6 +585,26 @@ class MetricsLog:
         self.progress = tqdm.tqdm(initial=state["global_step"], total=args.max_steps,
                                   desc="train", disable=rank != 0, mininterval=0.5)
 
+    def write_steps(self, steps, domains, state):
+        """Each step read ([(numbers, metrics)]: its numbers summed over the ranks) as its line:
+        every number of the step but "stop" (a new one is logged as it is), each domain's loss
+        and tokens so far; ``state`` keeps the tokens, and the losses for the mixer."""
+        for numbers, metrics in steps:
+            scalars = {k: v for k, v in numbers.items()
+                       if k != "stop" and not k.startswith("domain_")}
+            metrics = {"step": metrics["step"], **scalars} | metrics
+            losses = [total / n if n else None for total, n in
+                      zip(numbers.get("domain_loss", ()), numbers.get("domain_tokens", ()))]
+            seq_length = state["config"]["seq_length"]
+            for name, loss, n in zip(domains, losses, numbers.get("domain_sequences", ())):
+                tokens = state["domain_tokens"].get(name, 0) + int(n) * seq_length
+                metrics[f"mix/tokens_{name}"] = state["domain_tokens"][name] = tokens
+                if loss is not None:
+                    metrics[f"mix/loss_{name}"] = loss
+            if domains:  # for the mixer, after the next step (data.learn_late)
+                state["domain_losses"] = [metrics["step"], losses]
+            self.write(metrics)
+
     def write(self, metrics):
         """A step's line, kept until flush(): at each log line and before each checkpoint."""
         self.lines.append(json.dumps(metrics) + "\n")
@@ -665,95 +674,57 @@ class MetricsLog:
             self.wandb = None
 
 
-def stop_on_signals(loader):
-    """SIGTERM (preemption, scancel, docker stop) and Ctrl-C only set the returned flag: the
-    step in flight finishes, a checkpoint is saved, the process exits 0 (DESIGN.md section 7);
-    alone, a loader stuck on a read gives up its step. A second signal kills at once."""
-    stop = threading.Event()
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
-        loader.until = stop
+def done_message(state, run_dir):
+    """What a run that trained to its end says last."""
+    return (f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens. For "
+            f"transformers: python scripts/export_hf.py {shlex.quote(str(run_dir))}")
 
-    def request_stop(signum, frame):
-        if RUN is not None and not RUN.stepped:
-            stop_at_once(signum, frame)
-        LOGGER.warning(f"{signal.Signals(signum).name}: saving a checkpoint after this step")
+
+def stop_on_signals(stop):
+    """From here on SIGTERM (preemption, scancel, docker stop) and Ctrl-C set ``stop``, and
+    nothing else: the loop ends its step, saves and exits 0 (DESIGN.md section 7). A second
+    signal takes its default action: it kills at once."""
+    def handler(signum, frame):
         stop.set()
         signal.signal(signum, signal.SIG_DFL)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    return stop
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
 
 
-def stop_at_once(signum, frame):
-    """A signal before this start's first step ends it at once, wherever it is (loading, or
-    filling a shuffle buffer): there is nothing to save yet."""
-    sys.exit(f"{signal.Signals(signum).name} before the first step: stopped. Rerun the same "
-             "command to go on from the last checkpoint.")
-
-
-def rank_flags(stop, log_step, loader, device):
-    """What this rank adds to the step's all-reduce besides its losses: whether it got a
-    signal, and on a logging step the bad records it has skipped so far (the sum is the
-    run's). torch.full fills on the device: no host-to-device copy, no wait for the GPU."""
-    flags = {"stop": torch.full((), float(stop.is_set()), device=device)}
-    if log_step:
-        flags["skipped"] = torch.full((), float(loader.skipped), device=device)
-    return flags
-
-
-def out_of_data(batches, step, args, ctx, loader):
-    """Whether some rank lacks a micro-batch of this step (only --epochs ends the data: ranks
-    run out at different steps, and all stop together), or a signal came while the loader
-    hung on a read: then no step is taken. A new run out of data before its first is refused."""
-    if getattr(loader, "interrupted", False):  # a signal while a read hung: no step to take
-        LOGGER.warning(f"The signal came while the data loader waited on a read: saving step "
-                       f"{step - 1}, the last one taken")
-        return True
-    left = None not in batches
-    if args.epochs and ctx.world_size > 1:
-        left = all_ranks(left, ctx.cpu_group)
-    if not left and step == 1:
-        loader.close()
-        tokens = ctx.world_size * args.grad_accum * args.batch_size * args.seq_length
-        sys.exit(f"The data ran out before the first step: --dataset {args.dataset} holds fewer "
-                 f"than the {tokens:,} tokens of one step ({args.batch_size} x {args.grad_accum} x "
-                 f"{ctx.world_size} sequences of {args.seq_length} tokens) per pass (--epochs "
-                 f"{args.epochs}). Use more data, more --epochs, or a smaller "
-                 "--batch-size/--seq-length.")
-    if not left:
-        LOGGER.info(f"The data ran out (--epochs {args.epochs}) before step {step}.")
-    return not left
-
-
-def check_first_batches(batches, tokenizer, args, ctx, loader):
-    """A new run's first step must score something besides special tokens: empty documents
-    ("text": "", or nothing the tokenizer keeps) would train on BOS and EOS alone, for ever."""
+def nothing_to_train(batches, tokenizer, args, ctx):
+    """Why a new run's first step has nothing to learn (only special tokens: empty documents,
+    or records whose text is not where the kit reads it), or None. Agreed by all ranks."""
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     targets = [b["labels"] if "labels" in b else b["input_ids"] for b in batches]
     scored = [t[:, 1:][t[:, 1:] != -100] for t in targets]  # each token's next one
-    if not any_rank(any((~torch.isin(t, special)).any() for t in scored), ctx):
-        loader.close()
-        sys.exit(f"Nothing to train on: the first step's sequences hold only special tokens "
-                 f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
-                 f"--dataset {args.dataset} are empty, or their text is not where the kit "
-                 "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
-                 "or (--task sft) --seq-length cuts every answer off.")
+    if any_rank(any((~torch.isin(t, special)).any() for t in scored), ctx):
+        return None
+    return (f"Nothing to train on: the first step's sequences hold only special tokens "
+            f"({tokenizer.convert_ids_to_tokens(special.tolist())}). The records of "
+            f"--dataset {args.dataset} are empty, or their text is not where the kit "
+            "reads it ('text'; with --task sft 'instruction'/'output' or 'messages'), "
+            "or (--task sft) --seq-length cuts every answer off.")
 
 
-def stop_if_diverged(numbers, step, run, loader, writer):
-    """End the run, without a checkpoint, at a loss or gradient norm that is not finite: the
-    weights are garbage, and the last good checkpoint stays the one to go on from."""
-    loss, grad_norm = numbers["loss"], numbers["grad_norm"]
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return
-    loader.close()
-    writer.wait()  # the last good checkpoint may still be being written
-    last = max(_step_dirs(run.dir, complete=True).items(), default=(0, None))[1]
-    last = f"the last good one is checkpoints/{last.name}" if last else "none was saved yet"
-    sys.exit(f"Step {step}: loss {loss}, gradient norm {grad_norm}. Stopping without a "
-             f"checkpoint (the weights are garbage now); {last}. Lower --lr or raise "
-             "--warmup-steps.")
+def too_little_data(args):
+    """Why a new run whose data ran out before its first step stops."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    tokens = world_size * args.grad_accum * args.batch_size * args.seq_length
+    return (f"The data ran out before the first step: --dataset {args.dataset} holds fewer "
+            f"than the {tokens:,} tokens of one step ({args.batch_size} x {args.grad_accum} x "
+            f"{world_size} sequences of {args.seq_length} tokens) per pass (--epochs "
+            f"{args.epochs}). Use more data, more --epochs, or a smaller "
+            "--batch-size/--seq-length.")
+
+
+def diverged(step, numbers, last):
+    """Why a run stops at a loss or gradient norm that is not finite (``last``: its newest
+    checkpoint): its weights are garbage, the last good checkpoint is the one to go on from."""
+    last = f"the last good one is {last}" if last else "none was saved yet"
+    return (f"Step {step}: loss {numbers['loss']}, gradient norm {numbers['grad_norm']}. "
+            f"Stopping without a checkpoint (the weights are garbage now); {last}. Lower --lr "
+            "or raise --warmup-steps.")
 
 
 def cli(main):
@@ -1078,9 +1049,8 @@ class StepNumbers:
     the host behind the step's queued work, are read a step later, when the GPU is long done:
     an ordinary step never waits for it (DESIGN.md section 7); a save reads its own step's."""
 
-    def __init__(self, ctx, run, loader, writer):
+    def __init__(self, ctx):
         self.world_size, self.device, self.queue = ctx.world_size, ctx.device, []
-        self.run, self.loader, self.writer = run, loader, writer  # (for stop_if_diverged)
 
     def add(self, stats, metrics):  # (once the step's work is queued)
         flat = torch.cat([value.detach().float().reshape(-1) for value in stats.values()])
@@ -1094,8 +1064,7 @@ class StepNumbers:
 
     def ready(self, wait=False):
         """[(numbers, metrics)] of every step but the newest (its numbers may be computing
-        still), or of all if ``wait``, oldest first; a vector's numbers are a list. A loss or
-        gradient norm that is not finite ends the run here, before any checkpoint of it."""
+        still), or of all if ``wait``, oldest first; a vector's numbers are a list."""
         steps, self.queue = (self.queue, []) if wait else (self.queue[:-1], self.queue[-1:])
         return [self.read(*step) for step in steps]
 
@@ -1103,10 +1072,8 @@ class StepNumbers:
         if done:
             done.synchronize()  # (a step late: long done, unless the host is far ahead)
         parts = host.split([shape.numel() for shape in shapes.values()])
-        numbers = {name: part.view(shape).tolist()
-                   for (name, shape), part in zip(shapes.items(), parts)}
-        stop_if_diverged(numbers, metrics["step"], self.run, self.loader, self.writer)
-        return numbers, metrics
+        return {name: part.view(shape).tolist()
+                for (name, shape), part in zip(shapes.items(), parts)}, metrics
 
 
 def plain_tensor(tensor):
@@ -1131,13 +1098,14 @@ def join_process_group(backend, rank, world_size, dist_timeout, device):
         torch.distributed.init_process_group(
             backend, store=torch.distributed.PrefixStore(prefix, store), rank=rank,
             world_size=world_size, timeout=timeout, device_id=device_id)
-    set_collective_timeout(datetime.timedelta(minutes=30))
+    set_collective_timeout(30 * 60)
 
 
-def set_collective_timeout(timeout):
-    """How long a collective waits for the other ranks before the process fails."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout  # (torch 2.13: not public)
-    _set_pg_timeout(timeout)
+def set_collective_timeout(seconds):
+    """How long a collective waits for the other ranks before the process fails (if any)."""
+    if torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # (torch 2.13: private)
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 # --- Random number generators -----------------------------------------------------------------

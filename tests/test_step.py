@@ -63,7 +63,7 @@ def ddp_rank(rank, port, out):
     model = torch.nn.parallel.DistributedDataParallel(small_model())
     ctx = train_llm.Context(rank, 2, torch.device("cpu"), True)
     weights, loss = one_step(model, sft_batch(), (4 * rank, 4 * rank + 4), 4, ctx)
-    numbers = utils.StepNumbers(ctx, run=None, loader=None, writer=None)
+    numbers = utils.StepNumbers(ctx)
     numbers.add({"loss": loss, "grad_norm": torch.tensor(0.0)}, {"step": 1})
     [(numbers, _)] = numbers.ready(wait=True)  # summed over the two ranks
     loss = numbers["loss"]
@@ -205,15 +205,11 @@ def test_logged_throughput_is_the_wall_clock_between_log_steps(monkeypatch):
     assert metrics["tokens_per_s"] == pytest.approx(5 * 1000 / 2.0) and metrics["data_wait"] == 0
 
 
-def test_step_numbers_are_read_a_step_late_and_a_checkpoint_reads_its_own(tmp_path):
+def test_step_numbers_are_read_a_step_late_and_a_checkpoint_reads_its_own():
     """StepNumbers hands back every step but the newest (whose numbers the GPU may still be
-    computing), all of them when asked to wait, oldest first; a non-finite loss ends the run
-    when it is read, before any checkpoint of it."""
+    computing), all of them when asked to wait, oldest first."""
     ctx = train_llm.Context(0, 1, torch.device("cpu"), False)
-    run = type("Run", (), {"dir": tmp_path})()
-    writer = utils.BackgroundWriter(sync=True)
-    loader = type("Loader", (), {"close": lambda self: None})()
-    numbers = utils.StepNumbers(ctx, run, loader, writer)
+    numbers = utils.StepNumbers(ctx)
     for step in (1, 2, 3):
         numbers.add({"loss": torch.tensor(float(step)), "grad_norm": torch.tensor(1.0),
                      "domain_loss": torch.tensor([step, 2.0 * step])}, {"step": step})
@@ -221,10 +217,34 @@ def test_step_numbers_are_read_a_step_late_and_a_checkpoint_reads_its_own(tmp_pa
     assert list(numbers.ready()) == []
     [(last, metrics)] = numbers.ready(wait=True)
     assert metrics == {"step": 3} and last["domain_loss"] == [3.0, 6.0]
-    numbers.add({"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(1.0)}, {"step": 4})
-    numbers.add({"loss": torch.tensor(1.0), "grad_norm": torch.tensor(1.0)}, {"step": 5})
-    with pytest.raises(SystemExit, match="Step 4: loss nan"):
-        list(numbers.ready())
+
+
+def test_what_a_step_leads_to_is_decided_from_its_numbers(tmp_path):
+    """decide: a save every --ckpt-freq steps reads its own step's numbers first; a signal in
+    a step's numbers (any rank's) stops the run at the next, saved; a loss that is not finite
+    ends it without a checkpoint, naming the last good one."""
+    args = train_llm.parse_args(["-e", "x", "--ckpt-freq", "4", "--max-steps", "10"])
+    numbers = utils.StepNumbers(train_llm.Context(0, 1, torch.device("cpu"), False))
+    state = {"checkpoint": "checkpoints/step-000002"}
+
+    def step(n, loss=1.0, stop=0.0):
+        numbers.add({"loss": torch.tensor(loss), "grad_norm": torch.tensor(1.0),
+                     "stop": torch.tensor(stop)}, {"step": n})
+        return train_llm.decide(n, numbers, state, args, ran_out=False, stop_now=False)
+
+    assert step(1) == train_llm.Move()  # (its numbers may still be computing)
+    move = step(2)
+    assert [m["step"] for _, m in move.late] == [1] and not move.save and not move.end
+    step(3)
+    move = step(4)
+    assert [m["step"] for _, m in move.late + move.own] == [3, 4] and move.save
+    assert not step(5, stop=1.0).end  # (read at the next step)
+    move = step(6)
+    assert move.save and move.end and state["data_exhausted"] is False
+    step(7, loss=math.inf)
+    move = step(8)
+    assert move.failure.startswith("Step 7: loss inf") and "step-000002" in move.failure
+    assert not move.save and not move.late  # (nothing of a diverged step is logged or saved)
 
 
 def test_label_smoothing_is_the_training_losss_alone():
