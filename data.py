@@ -1767,7 +1767,7 @@ class Prefetch(Stage):
     """The upstream run ``depth`` items ahead in a forked process; ``skipped``: bad records."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
-        self.src, self.depth, self.until = src, depth, until
+        self.src, self.depth, self.until, self.interrupted = src, depth, until, False
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
@@ -1863,7 +1863,7 @@ class Prefetch(Stage):
             if self.until.is_set():  # (a signal while a read hangs: the run saves and ends)
                 os.kill(self._pid, signal.SIGUSR1)  # the child then only answers "state"
                 self._taken -= self._taken % self.every
-                self._end = StopIteration()
+                self._end, self.interrupted = StopIteration(), True
                 raise self._end
         return self._ask(None, "item")
 

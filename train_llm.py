@@ -101,8 +101,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
     first_step, failure = state["global_step"] + 1, None
 
     model.train()
-    with logging_redirect_tqdm(), utils.Profiler(
-            args.profile_steps, run.dir, ctx) as profiler:
+    with logging_redirect_tqdm(), utils.Profiler(args.profile_steps, run.dir, ctx) as profiler:
         for step in itertools.count(first_step):
             profiler.step(step)  # --profile-steps
             with timers["data"], record_function("data"):
@@ -116,13 +115,14 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                 stats, lrs = optimizer_step(
                     model, batches, optimizers, schedulers, loss_fn,
                     len(domains), writer, args, ctx)
-                stats["stop"] = on_device(stop.is_set(), ctx)
+                stats["stop"] = on_device(stop.is_set(), ctx)  # all ranks learn it
                 state["global_step"] = step
                 state["tokens_seen"] += tokens_per_step
                 if step == first_step:  # (slow on some rank: compiling)
                     utils.stop_on_signals(stop)  # now: save, then stop
                     utils.set_collective_timeout(args.dist_timeout)
 
+                # Each key of metrics and number of stats: logged (metrics.jsonl, wandb).
                 metrics = {"step": step, **lrs,
                            "tokens_seen": state["tokens_seen"],
                            **{f"mix/p_{d}": x for d, x in zip(domains, p)}}
@@ -137,7 +137,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
 
             stop_now = metrics.pop("stopped", False) or world_size == 1 and stop.is_set()
             move = decide(step, in_flight, state, args, batches is None, stop_now)
-            log.write_steps(move.late, domains, state)  # numbers read now
+            log.write_steps(move.late, domains, state)  # (the steps read now)
             data.learn_late(mixer, state.get("domain_losses"), step)  # --odm
             log.write_steps(move.own, domains, state)
             if failure := move.failure:

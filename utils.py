@@ -1,8 +1,8 @@
 """The machinery behind train_llm.py: what keeps a run safe and measures it. Nothing here
 decides how training goes (that is the script's), and nothing here imports the script: a run
 records its script's path, and the model is rebuilt from it (trained.load_trained). Its
-sections, in order: flags, the run directory, measuring, distributed, RNGs, models (trained.py:
-a trained one), checkpoints (save_checkpoint and CheckpointReader, then the bytes).
+sections, in order: flags, the run directory, how a run ends, measuring, the process,
+distributed, a checkpoint's states, models (trained.py: a trained one), checkpoints.
 """
 
 import argparse
@@ -60,7 +60,7 @@ UNMASKED_SDPA = "sdpa_unmasked"  # transformers' SDPA, no mask made for it (skip
 RUN = None  # the Run this process opened: what cli() tells, or cleans up, when a start fails
 
 
-# --- Flags: argparse types (each checks one flag as it is parsed) and check_args --------------
+# --- Flags: argparse types (each checks one flag as it is parsed) and check_args -----------------
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's, its flags in groups (group); refusals reach torchrun's table (tell_torchrun)."""
@@ -232,7 +232,7 @@ def check_args(parser, args, local_paths, shipped):
         args.grad_accum = accum
 
 
-# --- The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs, cli ------
+# --- The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs --------------
 
 class Run:
     """A run directory as this start sees it: ``dir``; ``state``, the run state (state.json's,
@@ -674,6 +674,8 @@ class MetricsLog:
             self.wandb = None
 
 
+# --- How a run ends: signals, the loop's reasons, a failure in one paragraph (cli) ---------------
+
 def done_message(state, run_dir):
     """What a run that trained to its end says last."""
     return (f"Done: {state['global_step']} steps, {state['tokens_seen']:,} tokens. For "
@@ -819,7 +821,7 @@ def forget_failed_start():
             return
 
 
-# --- Measuring: time, garbage collection, memory, MFU, the profiler ---------------------------
+# --- Measuring: time, memory, MFU, the profiler, the step's numbers ------------------------------
 
 class Timer:
     """Adds up the wall-clock seconds that the training thread spends in ``with timer:``."""
@@ -835,30 +837,6 @@ class Timer:
         """Seconds accumulated since the last pop()."""
         total, self.total = self.total, 0.0
         return total
-
-
-class GarbageCollection:
-    """Python's automatic GC off (a pause in a random step; with many ranks, a straggler all
-    others wait for), and a full collection every ``freq`` steps instead."""
-
-    def __init__(self, freq):
-        self.freq = freq
-        gc.disable()
-        gc.collect()
-        gc.freeze()  # what exists now lives for the whole run: no later collection scans it
-
-    def step(self, step):
-        if step % self.freq == 0:
-            gc.collect()  # all generations: what survives long enough to be old is still freed
-
-
-def keep_freed_memory():
-    """glibc: serve every block from the heap and keep what is freed there for the next step,
-    not mmap and unmap the big ones (faulted in again each step; DESIGN.md section 6)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None
-    if mallopt:
-        mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap
-        mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap's free top
 
 
 class Throughput:
@@ -1001,49 +979,6 @@ class Profiler(contextlib.AbstractContextManager):
                     "\n" + "\n".join(table))
 
 
-# --- Distributed helpers ----------------------------------------------------------------------
-
-def die_with_parent():
-    """Ask Linux to kill this rank with torchrun (its ranks run in sessions of their own): else a
-    killed torchrun would leave them training on as orphans, beside the run that resumes it."""
-    if sys.platform.startswith("linux"):
-        parent = os.getppid()
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before we asked
-            os._exit(1)
-
-
-def deterministic():
-    """Deterministic CUDA kernels (DESIGN.md section 3): cuBLAS's fixed workspace, set before
-    its first use; attention on the math kernel (the fast ones add up in a varying order)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    for kernel in ("flash", "mem_efficient", "cudnn"):
-        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
-
-
-def gradient_sync(model, enabled):
-    """Backward averages gradients across ranks iff ``enabled`` (DDP: no_sync(), FSDP2)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-    elif hasattr(model, "no_sync") and not enabled:  # DDP
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def all_ranks(flag, group=None):
-    """True on every rank iff ``flag`` is true on every rank: an all-reduce of one number, on
-    the CPU (``group``: a gloo one; None, the default group, must be gloo too)."""
-    flag = torch.tensor(float(flag))
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def any_rank(flag, ctx):
-    """True on every rank iff ``flag`` is true on some rank (alone: ``flag``)."""
-    return not all_ranks(not flag, ctx.cpu_group) if ctx.distributed else bool(flag)
-
-
 class StepNumbers:
     """Each step's numbers ({name: tensor}), summed over the ranks on the device and copied to
     the host behind the step's queued work, are read a step later, when the GPU is long done:
@@ -1074,6 +1009,75 @@ class StepNumbers:
         parts = host.split([shape.numel() for shape in shapes.values()])
         return {name: part.view(shape).tolist()
                 for (name, shape), part in zip(shapes.items(), parts)}, metrics
+
+
+# --- The process: deterministic kernels, freed memory kept, garbage collection -------------------
+
+def deterministic():
+    """Deterministic CUDA kernels (DESIGN.md section 3): cuBLAS's fixed workspace, set before
+    its first use; attention on the math kernel (the fast ones add up in a varying order)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for kernel in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
+
+
+def keep_freed_memory():
+    """glibc: serve every block from the heap and keep what is freed there for the next step,
+    not mmap and unmap the big ones (faulted in again each step; DESIGN.md section 6)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None
+    if mallopt:
+        mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap
+        mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap's free top
+
+
+class GarbageCollection:
+    """Python's automatic GC off (a pause in a random step; with many ranks, a straggler all
+    others wait for), and a full collection every ``freq`` steps instead."""
+
+    def __init__(self, freq):
+        self.freq = freq
+        gc.disable()
+        gc.collect()
+        gc.freeze()  # what exists now lives for the whole run: no later collection scans it
+
+    def step(self, step):
+        if step % self.freq == 0:
+            gc.collect()  # all generations: what survives long enough to be old is still freed
+
+
+# --- Distributed: torchrun, the process group, collectives ---------------------------------------
+
+def die_with_parent():
+    """Ask Linux to kill this rank with torchrun (its ranks run in sessions of their own): else a
+    killed torchrun would leave them training on as orphans, beside the run that resumes it."""
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before we asked
+            os._exit(1)
+
+
+def gradient_sync(model, enabled):
+    """Backward averages gradients across ranks iff ``enabled`` (DDP: no_sync(), FSDP2)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    elif hasattr(model, "no_sync") and not enabled:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def all_ranks(flag, group=None):
+    """True on every rank iff ``flag`` is true on every rank: an all-reduce of one number, on
+    the CPU (``group``: a gloo one; None, the default group, must be gloo too)."""
+    flag = torch.tensor(float(flag))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def any_rank(flag, ctx):
+    """True on every rank iff ``flag`` is true on some rank (alone: ``flag``)."""
+    return not all_ranks(not flag, ctx.cpu_group) if ctx.distributed else bool(flag)
 
 
 def plain_tensor(tensor):
@@ -1108,7 +1112,7 @@ def set_collective_timeout(seconds):
         _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
-# --- Random number generators -----------------------------------------------------------------
+# --- A checkpoint's states besides the model: RNGs, lists of state_dicts -------------------------
 
 def rng_state(device):
     """Every global RNG state, in types that torch.load(weights_only=True) accepts. On a GPU
@@ -1121,6 +1125,16 @@ def rng_state(device):
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
+                         cached_gaussian))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])  # the current device's
 
 
 def states(objs):
@@ -1140,17 +1154,7 @@ def load_states(objs, saved, name):
         obj.load_state_dict(state)
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
-                         cached_gaussian))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])  # the current device's
-
-
-# --- Models: unwrap, the checks before training, a pretrained model (trained.py: a trained one) ---
+# --- Models: unwrap, the checks before training, a pretrained model (trained.py: a trained one) --
 
 def unwrap(model):
     """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
@@ -1308,7 +1312,7 @@ def only_a_path(name):
                                          name.count("/") > 1 or os.path.isdir(name.split("/")[0]))
 
 
-# --- Checkpoints: the bytes written, and read back (layout: DESIGN.md section 3) --------------
+# --- Checkpoints: the bytes written, and read back (layout: DESIGN.md section 3) -----------------
 
 def load(path, device):
     # weights_only: a checkpoint is data, and unpickling arbitrary objects could run code.

@@ -3,8 +3,8 @@
     python benchmarks/bench_handover.py [--steps 2000] [--rounds 7] [--json out.json]   # ~30 s
 
 At the GPU shape (train_llm.build_pipeline with --batch-size 16 --seq-length 1024
---grad-accum 2: int64 input_ids and labels, depth 5, every 2, ``until`` as
-utils.stop_on_signals sets it), over batches made ahead (a Sequence of them, repeated), so
+--grad-accum 2: int64 input_ids and labels, depth 5, every 2, ``until`` as a
+run alone sets it), over batches made ahead (a Sequence of them, repeated), so
 that only the hand-over is timed. Each step takes its 2 micro-batches, then spins for
 --step-ms (a stand-in for the step, long enough for the child to have made the next ones),
 as a training loop on a GPU finds them ready. Per round: the thread's CPU and the wall clock
@@ -46,8 +46,8 @@ def spin(seconds):
 
 def one_round(steps, every, step_s):
     """(wall µs, CPU µs) a micro-batch inside next(), over ``steps`` steps after a warm-up."""
-    loader = data.Prefetch(data.Sequence(batches(), repeat=True), 2 * every + 1, every=every)
-    loader.until = threading.Event()
+    loader = data.Prefetch(data.Sequence(batches(), repeat=True), 2 * every + 1, every=every,
+                           until=threading.Event())
     wall = cpu = 0.0
     for step in range(steps + 20):
         spin(step_s)
