@@ -30,7 +30,7 @@ import pyarrow.parquet
 import torch
 from hypothesis import settings
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -220,6 +220,28 @@ def copy_kit(dest, script="my_train.py", create_model=None, edits=()):
         text = text.replace(old, new)
     (dest / script).write_text(text)
     return dest / script
+
+
+# An EMA of the weights as training state of one's own (train_llm.py's ``extra``), added as the
+# README's "Changing the kit" shows: copy_kit's ``edits``.
+EMA = """    extra = {}
+    ema = AveragedModel(utils.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    optimizers[-1].register_step_post_hook(lambda *_: ema.update_parameters(utils.unwrap(model)))
+    extra["ema"] = ema
+"""
+EMA_EDITS = (("    extra = {}\n", EMA), ("import data\n", "from torch.optim.swa_utils import "
+                                          "AveragedModel, get_ema_multi_avg_fn\n\nimport data\n"))
+
+
+def trainer_pipeline(flags, tokenizer=None):
+    """A function that builds the training pipeline a run of ``train_llm.py FLAGS`` builds
+    (train_llm.build_pipeline, rank 0 of 1), anew each call: for run_with_cuts, which cuts it
+    and loads its state into a new one, as a resumed run does with its loader-rank0.json.
+    ``tokenizer``: the one --tokenizer names, unless given."""
+    import train_llm  # (only the tests that build the trainer's pipeline need the script)
+    args = train_llm.parse_args(["--experiment-name=pipeline", *map(str, flags)])
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(args.tokenizer)
+    return lambda: train_llm.build_pipeline(args.dataset, tokenizer, args, 0, 1, train=True)
 
 
 # -- Waiting for and killing a run ----------------------------------------------------------------

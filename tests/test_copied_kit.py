@@ -1,8 +1,10 @@
 """The kit copied into a project as a learner copies it: the three files, the script renamed,
-its create_model changed (3 transformer blocks where the config says 1), no assets/ or data/.
-A start without the shipped files names every flag to pass and writes nothing; with them the
-copy trains and resumes exactly, and the kit's generate.py and export_hf.py, and --init-from,
-rebuild the model of the copy's create_model, from the script the run recorded."""
+its create_model changed (3 transformer blocks where the config says 1), training state of its
+own (an EMA of the weights in ``extra``, as the README shows), no assets/ or data/. A start
+without the shipped files names every flag to pass and writes nothing; with them the copy
+trains and, killed, resumes exactly (its EMA too), and the kit's generate.py and export_hf.py,
+and --init-from, rebuild the model of the copy's create_model, from the script the run
+recorded."""
 
 import json
 import re
@@ -11,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, ROOT, copy_kit, kill_at, refused, snapshot, train_args
+from helpers import EMA_EDITS, ENV, ROOT, copy_kit, kill_at, refused, snapshot, train_args
 from transformers import AutoModelForCausalLM
 
 import trained
@@ -50,7 +52,7 @@ def weights(ckpt_dir):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     dest = tmp_path_factory.mktemp("project")
-    copy_kit(dest, "my_train.py", THREE_BLOCKS)
+    copy_kit(dest, "my_train.py", THREE_BLOCKS, edits=EMA_EDITS)
     return dest
 
 
@@ -79,21 +81,31 @@ def test_a_start_that_fails_before_training_leaves_no_directory(project, tiny_mo
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_copy_trains_its_own_model_and_resumes_exactly(straight, project, tiny_model,
-                                                           tmp_path):
+def test_the_copy_trains_its_own_model_and_state_and_resumes_them_exactly(straight, project,
+                                                                        tiny_model, tmp_path):
+    """Killed after step 5, the copy resumes from step 4's checkpoint (its ema.pt too: one
+    without it is refused, test_training_state.py) and ends with the very weights and EMA of
+    the straight run."""
     state = json.loads((straight / "state.json").read_text())
     assert state["script"] == str(project / "my_train.py")
-    final = weights(straight / f"checkpoints/step-{STEPS:06d}")
-    assert "transformer.h.2.attn.c_attn.weight" in final  # 3 blocks: the copy's create_model
+    final = f"checkpoints/step-{STEPS:06d}"
+    model, ema = (torch.load(straight / final / name, weights_only=True)
+                  for name in ("model.pt", "ema.pt"))
+    assert "transformer.h.2.attn.c_attn.weight" in model  # 3 blocks: the copy's create_model
+    assert int(ema["n_averaged"]) == STEPS  # updated at every step, the resumed ones too
+    assert not all(torch.equal(ema[f"module.{k}"], v) for k, v in model.items())
     with open(tmp_path / "log.txt", "ab") as out:
         proc = subprocess.Popen([sys.executable, "my_train.py",
                                  *args_for(tmp_path, tiny_model)], cwd=project, env=ENV,
                                 stdout=out, stderr=subprocess.STDOUT)
     kill_at(proc, tmp_path / "run", 5)
     result = run_in(project, "my_train.py", args_for(tmp_path, tiny_model))
-    assert result.returncode == 0 and "Resuming" in result.stderr, result.stderr
-    resumed = weights(tmp_path / f"run/checkpoints/step-{STEPS:06d}")
-    assert all(torch.equal(resumed[k], final[k]) for k in final)
+    assert result.returncode == 0, result.stderr
+    assert "from checkpoints/step-000004" in result.stderr, result.stderr
+    for name, expected in (("model.pt", model), ("ema.pt", ema)):
+        resumed = torch.load(tmp_path / "run" / final / name, weights_only=True)
+        assert resumed.keys() == expected.keys(), name
+        assert all(torch.equal(resumed[k], expected[k]) for k in expected), name
 
 
 @pytest.mark.slow

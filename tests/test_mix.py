@@ -1,5 +1,8 @@
-"""Mixing domains: data.Mix with fixed weights and with the Online Data Mixing bandit."""
+"""Mixing domains: data.Mix with fixed weights, --mix natural (each domain weighed by the bytes
+of its files, measured when the run starts and kept in the run), and the Online Data Mixing
+bandit."""
 
+import gzip
 import json
 import math
 import subprocess
@@ -19,6 +22,8 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import data
+import utils
 from data import Batch, Mix, OnlineMixer, Prefetch
 
 
@@ -78,6 +83,41 @@ def test_fixed_weights_draw_domains_in_proportion():
     for count, w in zip(counts, weights):
         sigma = math.sqrt(n * w * (1 - w))
         assert abs(count - n * w) < 4 * sigma, (counts, weights)  # fails by chance ~1e-4
+
+
+def domains(root, sizes):
+    """One directory per domain, its shards holding about ``sizes[name]`` bytes of text."""
+    for name, size in sizes.items():
+        (root / name).mkdir(parents=True)
+        line = json.dumps({"text": f"{name} " + "word " * 20}) + "\n"
+        for k in range(2):
+            (root / name / f"train-{k}.jsonl").write_text(line * (size // len(line) // 2))
+    return f"{root}/*/train-*.jsonl"
+
+
+def test_natural_weights_follow_the_domains_sizes(tmp_path):
+    pattern = domains(tmp_path, {"big": 60_000, "small": 20_000, "tiny": 4_000})
+    sizes = data.natural_sizes(pattern)
+    files = {name: sum(p.stat().st_size for p in (tmp_path / name).glob("train-*.jsonl"))
+             for name in ("big", "small", "tiny")}
+    assert sizes == files
+    weights = utils.domain_weights(list(sizes), sizes)
+    assert weights == pytest.approx([files[n] / sum(files.values()) for n in sizes])
+
+
+def test_natural_weights_of_a_compressed_domain_beside_plain_ones_are_warned_about(tmp_path,
+                                                                                   caplog):
+    """Bytes as stored: a gzipped domain weighs less than its text. Said, naming it; a run of
+    only plain (or only compressed) domains says nothing."""
+    pattern = domains(tmp_path, {"code": 40_000, "prose": 40_000})
+    data.natural_sizes(pattern)
+    assert "compressed" not in caplog.text
+    for shard in (tmp_path / "code").glob("*.jsonl"):
+        shard.with_suffix(".jsonl.gz").write_bytes(gzip.compress(shard.read_bytes()))
+        shard.unlink()
+    sizes = data.natural_sizes(str(tmp_path / "*/train-*.jsonl*"))
+    assert sizes["code"] < sizes["prose"] / 3
+    assert "the shards of code are compressed, others not" in caplog.text
 
 
 def make_mix(weights, variant, warmup, seed, prefetch):
@@ -194,15 +234,18 @@ def test_a_mix_state_from_other_domains_is_refused():
 
 
 @pytest.mark.slow
-def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model, tmp_path):
-    """`--odm exp3` on the four sample domains: SIGKILL once inside the warm-up and once after
-    it; the restarted run ends with the very weights, loader state and probability
-    trajectory of an uninterrupted one, and the probabilities did move."""
+def test_trainer_with_natural_weights_and_odm_killed_in_and_after_warmup_resumes_exactly(
+        tiny_model, tmp_path):
+    """`--mix natural --odm exp3` on the four sample domains: the bandit starts from each
+    domain's share of the bytes, measured when the run starts and kept in its state. SIGKILL
+    once inside the warm-up and once after it; the restarted run ends with the very weights,
+    loader state and probability trajectory of an uninterrupted one, and the probabilities
+    did move from the natural weights."""
     import torch
 
     def args(name):
-        return train_args(tmp_path, tiny_model, name=name, odm="exp3", odm_warmup_steps=12,
-                          ckpt_freq=5, max_steps=30)
+        return train_args(tmp_path, tiny_model, name=name, mix="natural", odm="exp3",
+                          odm_warmup_steps=12, ckpt_freq=5, max_steps=30)
 
     # Resumed from a checkpoint inside the warm-up, then from one after it.
     straight, killed, resumed = straight_and_killed(args, tmp_path, at=(8, 17))
@@ -216,9 +259,16 @@ def test_trainer_with_odm_killed_in_and_after_warmup_resumes_exactly(tiny_model,
     assert len([k for k in keys if k.startswith("mix/p_")]) == 4
     assert ([[row.get(k) for k in keys] for row in metrics(killed)]
             == [[row.get(k) for k in keys] for row in metrics(straight)])
+    # The natural weights: each domain's bytes over all, recorded, and the warm-up's mixture.
+    names = ("code", "docstrings", "prose", "reference")
+    sizes = {d: sum(p.stat().st_size for p in (ROOT / "data/sample" / d).glob("train-*.jsonl"))
+             for d in names}
+    natural = json.loads((straight / "state.json").read_text())["config"]["mix_weights"]
+    assert natural == pytest.approx({d: sizes[d] / sum(sizes.values()) for d in names})
+    assert max(natural.values()) > min(natural.values()) + 0.05  # (not the uniform start)
     first, last = metrics(straight)[0], metrics(straight)[-1]
-    assert all(first[f"mix/p_{d}"] == 0.25 for d in ("code", "docstrings", "prose", "reference"))
-    assert any(abs(last[k] - 0.25) > 1e-3 for k in keys if k.startswith("mix/p_"))
+    assert all(first[f"mix/p_{d}"] == pytest.approx(natural[d], rel=1e-12) for d in names)
+    assert any(abs(last[f"mix/p_{d}"] - natural[d]) > 1e-3 for d in names)
     result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(straight)],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -1,17 +1,10 @@
-"""Supervised fine-tuning: the instruction template, prompt masking, resume, and `--task sft`."""
-
-import json
+"""Supervised fine-tuning: the instruction template, prompt masking, and the pipeline that
+`--task sft` trains on resumed exactly. (A resumed run's weights, optimizer and RNG come back
+alike for every task: test_train.py kills the trainer.)"""
 
 import pytest
 import torch
-from helpers import (
-    ROOT,
-    Sequence,
-    examples,
-    metrics,
-    run_with_cuts,
-    straight_and_killed,
-)
+from helpers import ROOT, Sequence, examples, run_with_cuts, trainer_pipeline
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -77,18 +70,17 @@ def test_packed_instruction_samples_keep_their_labels_and_restart_positions():
 
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck))
 @given(length=st.integers(24, 200), shuffle=st.integers(1, 8), batch=st.integers(1, 3),
-       cuts=st.lists(st.integers(0, 25), min_size=1, max_size=3), seed=st.integers(0, 3))
-def test_sft_pipeline_resumes_exactly(length, shuffle, batch, cuts, seed):
-    """The trainer's sft chain on the shipped data, cut at random points."""
-    def make():
-        pipe = data.Files(str(ROOT / "data/sft/train-00[0-1].jsonl"), repeat=True,
-                          shuffle_shards=True, seed=seed, n_active_shards=2,
-                          required_fields=["instruction", "output"])
-        pipe = data.Pack(data.FormatInstructions(pipe, TOKENIZER), length, pad_id=1)
-        pipe = data.Shuffle(pipe, shuffle, seed=seed)
-        return data.Prefetch(data.Batch(pipe, batch))
-
+       accum=st.integers(1, 2), cuts=st.lists(st.integers(0, 25), min_size=1, max_size=3),
+       seed=st.integers(0, 3))
+def test_the_pipeline_of_task_sft_resumes_exactly(length, shuffle, batch, accum, cuts, seed):
+    """The pipeline `--task sft` trains on (train_llm.build_pipeline: the shipped instruction
+    data, formatted, packed, shuffled, batched, prefetched), cut at random points and resumed
+    from its state as a run killed there resumes: the very batches of one never cut."""
+    make = trainer_pipeline(["--task=sft", f"--seq-length={length}", f"--batch-size={batch}",
+                             f"--grad-accum={accum}", f"--shuffle-buffer={shuffle}",
+                             f"--seed={seed}", "--active-shards=2"], TOKENIZER)
     straight = run_with_cuts(make, [], 25)
+    assert len(straight) == 25 and all({"labels", "position_ids"} <= set(b) for b in straight)
     assert run_with_cuts(make, cuts, 25) == straight
 
 
@@ -103,30 +95,3 @@ def test_losses_ignore_masked_targets():
     torch.testing.assert_close(sums[0], per_token.sum())
     torch.testing.assert_close(sums[1], torch.nn.functional.cross_entropy(logits[1, [1]],
                                                                           targets[1, [2]]))
-
-
-@pytest.mark.slow
-def test_sft_demo_trains_and_resumes_exactly(tiny_model, tmp_path):
-    """`--task sft` end to end on the shipped instruction data: it learns, and a run killed
-    after its first checkpoint and restarted ends with the very weights of one that was not."""
-    def args(name):
-        return [f"--experiment-name={name}", f"--save-dir={tmp_path}",
-                f"--model-name={tiny_model}", "--task=sft", "--seq-length=64", "--batch-size=4",
-                "--lr=1e-2", "--warmup-steps=3", "--log-freq=5", "--val-freq=10",
-                "--val-batches=2", "--ckpt-freq=10", "--max-steps=30", "--wandb=disabled"]
-
-    _, killed, resumed = straight_and_killed(args, tmp_path)
-    assert resumed == [10]
-
-    rows = metrics(tmp_path / "straight")
-    first, last = rows[0]["loss"], sum(row["loss"] for row in rows[-5:]) / 5
-    assert last < first - 1.0, (first, last)
-    assert [(r["step"], r["loss"]) for r in metrics(killed)] == [(r["step"], r["loss"])
-                                                                 for r in rows]
-    final = "checkpoints/step-000030/model.pt"
-    a, b = (torch.load(d / final, weights_only=True) for d in (killed, tmp_path / "straight"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    state = json.loads((killed / "state.json").read_text())
-    assert state["config"]["task"] == "sft"
-    loader = json.loads((killed / "checkpoints/step-000030/loader-rank0.json").read_text())
-    assert "data/sft/train-000.jsonl" in json.dumps(loader)

@@ -26,7 +26,6 @@ import datasets
 import pyarrow
 import pyarrow.parquet
 import pytest
-import torch
 import zstandard
 from helpers import (
     ROOT,
@@ -36,10 +35,11 @@ from helpers import (
     last_step,
     metrics,
     run_with_cuts,
+    stage,
     start,
-    straight_and_killed,
     train,
     train_args,
+    trainer_pipeline,
     wait_for,
 )
 from hypothesis import HealthCheck, example, given, settings
@@ -723,25 +723,27 @@ def test_hf_dataset_required_fields_name_the_row():
 
 # -- train_llm.py --dataset ------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_train_from_a_save_to_disk_directory_resumes_exactly(tiny_model, tmp_path):
-    """--dataset DIR:SPLIT of a DatasetDict saved with save_to_disk: a run killed after its
-    first checkpoint and restarted ends with the very weights of one that was not."""
-    records = [json.loads(line) for path in sorted(ROOT.glob("data/sample/*/train-00[01].jsonl"))
-               for line in path.read_text().splitlines()]
-    datasets.DatasetDict({"main": datasets.Dataset.from_list(records)}).save_to_disk(
+def test_the_trainers_pipeline_on_a_save_to_disk_directory_resumes_exactly(tmp_path):
+    """--dataset DIR:SPLIT of a DatasetDict saved with save_to_disk: the trainer's pipeline reads
+    that split by index, shuffled anew each epoch, and cut anywhere (across epochs) and resumed
+    from its state, as a killed run resumes, gives the very batches of one never cut."""
+    records = [json.loads(line) for path in sorted(ROOT.glob("data/sample/*/train-000.jsonl"))
+               for line in path.read_text().splitlines()[:2]]
+    datasets.DatasetDict({"main": datasets.Dataset.from_list(records),
+                          "other": datasets.Dataset.from_list(records[:1])}).save_to_disk(
         tmp_path / "saved")
-    args = lambda name: train_args(  # noqa: E731
-        tmp_path, tiny_model, name, dataset=f"{tmp_path / 'saved'}:main", max_steps=20)
-    straight, killed, resumed = straight_and_killed(args, tmp_path)
-    assert resumed == [10]
-    assert ([(r["step"], r["loss"]) for r in metrics(killed)]
-            == [(r["step"], r["loss"]) for r in metrics(straight)])
-    final = "checkpoints/step-000020/model.pt"
-    a, b = (torch.load(d / final, weights_only=True) for d in (killed, straight))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    loader = json.loads((killed / "checkpoints/step-000020/loader-rank0.json").read_text())
-    assert '"index"' in json.dumps(loader)  # it read the saved dataset, by index
+    make = trainer_pipeline([f"--dataset={tmp_path / 'saved'}:main", "--seq-length=32",
+                             "--batch-size=4", "--shuffle-buffer=4"])
+    pipe = make()
+    source = stage(pipe, HFDataset)
+    assert len(source.dataset) == len(records) and not source.streaming  # the split, on disk
+    straight = run_with_cuts(make, [], 90)  # (about 30 batches an epoch: 3 epochs)
+    assert len(straight) == 90
+    assert run_with_cuts(make, [1, 31, 62], 90) == straight
+    for _ in range(5):
+        next(pipe)
+    assert '"index"' in json.dumps(pipe.state_dict())  # resumed by index, not by reading
+    pipe.close()
 
 
 def test_a_hub_name_is_streamed(tmp_path, monkeypatch):

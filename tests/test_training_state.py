@@ -1,22 +1,17 @@
 """Training state of your own (train_llm.py's ``extra``): an EMA of the weights, added as the
-README's "Changing the kit" shows, is in every checkpoint, comes back exactly after a kill,
-is refused by name where a checkpoint lacks it, and generate.py/export_hf.py read its weights."""
+README's "Changing the kit" shows (helpers.EMA_EDITS), is in every checkpoint, is refused by
+name where a checkpoint lacks it, and generate.py/export_hf.py read its weights. (That it comes
+back exactly after a kill: the copied kit's kill test, test_copied_kit.py, which has it.)"""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import ENV, ROOT, copy_kit, kill_at, refused, train_args
+from helpers import EMA, EMA_EDITS, ENV, ROOT, copy_kit, refused, train_args
 
 import utils
 
-EMA = """    extra = {}
-    ema = AveragedModel(utils.unwrap(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    optimizers[-1].register_step_post_hook(lambda *_: ema.update_parameters(utils.unwrap(model)))
-    extra["ema"] = ema
-"""
-IMPORT = "from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn\n"
 SHIPPED = {"tokenizer": f"{ROOT}/assets/tokenizer",
            "dataset": f"{ROOT}/data/sample/*/train-*.jsonl",
            "val_dataset": f"{ROOT}/data/sample/*/val-*.jsonl"}
@@ -24,8 +19,7 @@ SHIPPED = {"tokenizer": f"{ROOT}/assets/tokenizer",
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    return copy_kit(tmp_path_factory.mktemp("ema"), script="train_llm.py", edits=[
-        ("    extra = {}\n", EMA), ("import data\n", IMPORT + "\nimport data\n")])
+    return copy_kit(tmp_path_factory.mktemp("ema"), script="train_llm.py", edits=EMA_EDITS)
 
 
 def args_for(save_dir, tiny_model, name, **overrides):
@@ -34,32 +28,9 @@ def args_for(save_dir, tiny_model, name, **overrides):
         **overrides})
 
 
-def start(script, args, log):
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, str(script), *args], cwd=script.parent,
-                                env=ENV, stdout=out, stderr=subprocess.STDOUT)
-
-
 def run(script, args):
     return subprocess.run([sys.executable, str(script), *args], cwd=script.parent, env=ENV,
                           capture_output=True, text=True, timeout=300)
-
-
-def test_an_ema_of_the_weights_resumes_exactly_after_a_kill(project, tiny_model, tmp_path):
-    straight = run(project, args_for(tmp_path, tiny_model, "straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    proc = start(project, args_for(tmp_path, tiny_model, "killed"), tmp_path / "log")
-    kill_at(proc, tmp_path / "killed", 5)
-    resumed = run(project, args_for(tmp_path, tiny_model, "killed"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for name in ("ema.pt", "model.pt"):
-        a, b = (utils.load(tmp_path / run_name / "checkpoints/step-000008" / name, "cpu")
-                for run_name in ("straight", "killed"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-    ema = utils.load(tmp_path / "straight/checkpoints/step-000008/ema.pt", "cpu")
-    model = utils.load(tmp_path / "straight/checkpoints/step-000008/model.pt", "cpu")
-    assert int(ema["n_averaged"]) == 8
-    assert not all(torch.equal(ema[f"module.{k}"], v) for k, v in model.items())
 
 
 @pytest.mark.slow
@@ -110,7 +81,6 @@ def test_training_state_named_like_a_file_of_the_kit_is_refused_at_start(tiny_mo
     """extra["model"] would overwrite every checkpoint's model.pt with the EMA: refused
     before the first step, naming it."""
     script = copy_kit(tmp_path / "kit", script="train_llm.py", edits=[
-        ("    extra = {}\n", EMA.replace('extra["ema"]', 'extra["model"]')),
-        ("import data\n", IMPORT + "\nimport data\n")])
+        ("    extra = {}\n", EMA.replace('extra["ema"]', 'extra["model"]')), EMA_EDITS[1]])
     refused(run(script, args_for(tmp_path, tiny_model, "r")), "extra['model']", "the kit's own")
     assert not (tmp_path / "r" / "checkpoints").exists()
