@@ -837,8 +837,7 @@ def _read_cbor(slot, open_shard):
     import cbor2
     url, offset, line, at = slot["url"], slot["offset"], slot["line"], slot.get("last_at")
     with open_shard(url, offset if at is None else at) as f:
-        # Positions from where it opened (an HTTP range counts from there); read as needed, not
-        # 4 KB ahead: cbor2 would seek back after each record, a request each on S3 or HTTP.
+        # Positions count from where it opened; read as needed (cbor2 seeks back after read-ahead).
         first, decoder = {"size": _check_size(f, slot)}, cbor2.CBORDecoder(f, read_size=1)
         base = (offset if at is None else at) - f.tell()
         if at is not None and (_row_crc(decoder.decode()) != slot["last_row"]
@@ -852,6 +851,8 @@ def _read_cbor(slot, open_shard):
                     return
                 raise DataError(f"shard {url}: cut short inside record {line + 1}") from None
             except cbor2.CBORDecodeError as e:
+                if is_transient(e):  # (a connection dropped inside a record: cbor2 wraps it)
+                    raise
                 raise DataError(f"shard {url}, record {line + 1}: not CBOR: {e}") from e
             line, at, offset = line + 1, offset, base + f.tell()
             yield record, {"offset": offset, "line": line, "last_at": at,
@@ -1031,8 +1032,7 @@ def _merged(mine, theirs):
                                  if isinstance(v, dict) and isinstance(theirs.get(k), dict)}}
 
 
-# Network faults worth retrying, matched by class name so that data.py need not import every
-# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
+# Network faults worth retrying, by class name (builtins', urllib3's, requests', botocore's).
 _TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
               "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
               "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",

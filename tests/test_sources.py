@@ -268,6 +268,7 @@ faults = st.lists(st.one_of(st.none(), st.sampled_from([500, 502, 503]),
 @settings(max_examples=examples(25), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=faults, cuts=st.lists(st.integers(0, 150), max_size=2))
+@example(schedule=[None] * 6 + [("drop", 2)], cuts=[])  # (inside a CBOR record: retried)
 def test_http_faults_and_cuts_leave_the_stream_unchanged(web, web_shards, schedule, cuts):
     make = lambda: Files(web_shards, n_active_shards=2, retries=30, retry_delay=0)  # noqa: E731
     web.faults.clear()
