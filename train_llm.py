@@ -95,8 +95,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                                  ctx, domains, tokenizer, args, state, stop)
     in_flight = utils.StepNumbers(ctx)  # read a step late
     timers = {k: utils.Timer() for k in ("data", "validation", "checkpoint")}
-    tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
-    speed = utils.Throughput(timers, state["global_step"], tokens_per_step, flops, ctx)
+    speed = utils.Throughput(timers, state["tokens_seen"], flops, ctx)
     gc_control = utils.GarbageCollection(args.gc_freq)
     first_step, failure = state["global_step"] + 1, None
 
@@ -117,7 +116,8 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                     len(domains), writer, args, ctx)
                 stats["stop"] = on_device(stop.is_set(), ctx)  # all ranks learn it
                 state["global_step"] = step
-                state["tokens_seen"] += tokens_per_step
+                # The tokens this step took (each rank's alike: DDP steps together).
+                state["tokens_seen"] += world_size * sum(b["input_ids"].numel() for b in batches)
                 if step == first_step:  # (slow on some rank: compiling)
                     utils.stop_on_signals(stop)  # now: save, then stop
                     utils.set_collective_timeout(args.dist_timeout)
@@ -127,7 +127,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                            "tokens_seen": state["tokens_seen"],
                            **{f"mix/p_{d}": x for d, x in zip(domains, p)}}
                 if step % args.log_freq == 0 or step == args.max_steps:
-                    metrics |= speed.metrics(step)  # (the wall clock)
+                    metrics |= speed.metrics(state["tokens_seen"])  # (the wall clock)
                     skipped = train_loader.skipped  # bad records
                     stats["data/skipped"] = on_device(skipped, ctx)
                 if step % args.val_freq == 0 or step == args.max_steps:

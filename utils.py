@@ -843,20 +843,20 @@ class Throughput:
     """tokens/s and MFU (per GPU; None without a known peak) over all the wall clock since the
     last call (DESIGN.md section 7), its share waiting for data, the ``timers``, and memory."""
 
-    def __init__(self, timers, step, tokens_per_step, flops_per_token, ctx):
+    def __init__(self, timers, tokens_seen, flops_per_token, ctx):
         name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
         peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
         self.most = peak and peak * ctx.world_size / flops_per_token  # tokens/s at 100% MFU
-        self.timers, self.tokens_per_step, self.device = timers, tokens_per_step, ctx.device
-        self.step, self.start = step, time.perf_counter()
+        self.timers, self.device = timers, ctx.device
+        self.tokens, self.start = tokens_seen, time.perf_counter()
         if ctx.device.type == "cuda":  # the peaks of training alone, from an empty cache
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
 
-    def metrics(self, step):
+    def metrics(self, tokens_seen):
         now, spent = time.perf_counter(), {name: t.pop() for name, t in self.timers.items()}
-        seconds, tokens = now - self.start, (step - self.step) * self.tokens_per_step
-        self.step, self.start = step, now
+        seconds, tokens = now - self.start, tokens_seen - self.tokens
+        self.tokens, self.start = tokens_seen, now
         return {"tokens_per_s": tokens / seconds, "data_wait": spent.pop("data") / seconds,
                 "mfu": tokens / seconds / self.most if self.most else None,
                 **{f"time/{k}_s": v for k, v in spent.items()}, **memory_stats(self.device)}
