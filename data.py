@@ -837,8 +837,7 @@ def _read_cbor(slot, open_shard):
     import cbor2
     url, offset, line, at = slot["url"], slot["offset"], slot["line"], slot.get("last_at")
     with open_shard(url, offset if at is None else at) as f:
-        # Positions from where it opened (an HTTP range counts from there); read as needed, not
-        # 4 KB ahead: cbor2 would seek back after each record, a request each on S3 or HTTP.
+        # Positions count from where it opened; read as needed (cbor2 seeks back after read-ahead).
         first, decoder = {"size": _check_size(f, slot)}, cbor2.CBORDecoder(f, read_size=1)
         base = (offset if at is None else at) - f.tell()
         if at is not None and (_row_crc(decoder.decode()) != slot["last_row"]
@@ -1031,8 +1030,7 @@ def _merged(mine, theirs):
                                  if isinstance(v, dict) and isinstance(theirs.get(k), dict)}}
 
 
-# Network faults worth retrying, matched by class name so that data.py need not import every
-# cloud SDK: builtins, urllib3, requests and botocore all name theirs like this.
+# Network faults worth retrying, by class name (builtins', urllib3's, requests', botocore's).
 _TRANSIENT = {"ConnectionError", "TimeoutError", "IncompleteRead", "ProtocolError",
               "ChunkedEncodingError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout",
               "ConnectTimeout", "ResponseStreamingError", "IncompleteReadError",
@@ -1344,8 +1342,7 @@ class Tokenize(Stage):
             self._states, future = self._inflight.popleft()
             self._batch, self._crcs, self._marks = future.result()  # raises what it raised
             self._popped += 1  # (after the batch before is let go: see _work)
-            # A resumed skip may pass whole batches: one saved by an older version counted
-            # the samples since the state before its batch, whatever their documents.
+            # A resumed skip may pass whole batches (a skip counted from an earlier batch's state).
             self._pos = min(self._skip, len(self._batch))
             self._skip -= self._pos
             if self._skipped[0] is not None:
@@ -1764,13 +1761,13 @@ class Batch(Stage):
 
 
 class Prefetch(Stage):
-    """The upstream run ``depth`` items ahead in a forked process; ``skipped``: bad records."""
+    """The upstream run ``depth`` items ahead in a forked process; ``counters``: data.counters."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
-        self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
+        self._ready, self._taken, self._followed, self.counters = collections.deque(), 0, 0, {}
         self._got, self._ring = bytearray(), {}  # (bytes read ahead: _recv; pinned: _own)
         self._copied = torch.cuda.Event() if pin_memory else None
 
@@ -1822,7 +1819,7 @@ class Prefetch(Stage):
             raise self._end
         self._start()
         self._follow()
-        _, item, self.skipped, error = self._ready.popleft() if self._ready else self._item()
+        _, item, self.counters, error = self._ready.popleft() if self._ready else self._item()
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
@@ -1970,7 +1967,7 @@ def _serve(conn, src, depth, every, parent, slots):
                 states.pop(made - depth - 2, None)
                 if isinstance(item, dict):  # (credits: the slot's last item was taken)
                     item = _share(item, slots, made % depth, depth)
-            notice = ("item", item, skipped_records(states.get(made - ended)), error)
+            notice = ("item", item, counters(states.get(made - ended)), error)
             conn.send_bytes(pickle.dumps(notice))  # (as made: a read may hang after it)
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
@@ -2277,13 +2274,16 @@ def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, 
     return batches
 
 
-def skipped_records(loader_state):
-    """Bad records skipped so far (Files' "skipped"), summed over a pipeline's sources."""
-    if isinstance(loader_state, list):  # Mix: one state per domain
-        return sum(map(skipped_records, loader_state))
-    if not isinstance(loader_state, dict):
-        return 0
-    return loader_state.get("skipped", 0) + skipped_records(loader_state.get("upstream"))
+def counters(loader_state, into=None):
+    """A pipeline's counts so far, summed over its stages and sources: Files' bad records
+    ("skipped") and each stage's own ``counters`` state field ({name: number}; DESIGN.md 2)."""
+    into = {} if into is None else into
+    for state in loader_state if isinstance(loader_state, list) else [loader_state]:  # (Mix)
+        if isinstance(state, dict):
+            own = {"skipped": state.get("skipped", 0), **state.get("counters", {})}
+            into |= {name: into.get(name, 0) + n for name, n in own.items()}
+            counters(state.get("upstream"), into)
+    return into
 
 
 def source_epoch(loader_state):
