@@ -328,6 +328,7 @@ def open_run(args, parser, rank, world_size, script):
                          "trains nothing: nothing was changed. Raise --max-steps to train on "
                          "from it.")
             return None
+        say_new_cut(args, state, world_size)
     keep_schedule(args, state)
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
@@ -341,6 +342,18 @@ def open_run(args, parser, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def say_new_cut(args, state, world_size):
+    """A resume that cuts the run's global batch another way (--batch-size x --grad-accum x
+    ranks) takes the same update up to float rounding, not bit for bit: one line says so."""
+    old = state.get("args") or {}
+    was = (old.get("batch_size"), old.get("grad_accum"), state.get("world_size"))
+    if None not in was and was != (args.batch_size, args.grad_accum, world_size):
+        LOGGER.warning(
+            f"The global batch is cut {args.batch_size} x {args.grad_accum} x {world_size} "
+            f"rank(s), where it was {' x '.join(map(str, was))}: the same update up to float "
+            "rounding, not bit for bit (DESIGN.md section 7)")
 
 
 def keep_schedule(args, state):

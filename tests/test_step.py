@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import ENV, ROOT, copy_kit, metrics, train_args
+from helpers import ENV, ROOT, copy_kit, metrics, train, train_args
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import train_llm
@@ -357,3 +357,18 @@ def test_tokens_are_counted_from_the_batches_a_step_takes(tmp_path, tiny_model):
     logged = metrics(tmp_path / "run")
     assert [line["tokens_seen"] for line in logged] == expected
     assert f"{expected[-1]:,} tokens" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_that_cuts_the_global_batch_another_way_says_so(tmp_path, tiny_model):
+    """8 x 1 resumed as 4 x 2: the same update up to float rounding, not bit for bit, said in
+    one line; resumed with its own cut, nothing is said."""
+    args = dict(batch_size=8, grad_accum=1, max_steps=2, ckpt_freq=2, val_freq=10)
+    assert train(train_args(tmp_path, tiny_model, **args)).returncode == 0
+    same = train(train_args(tmp_path, tiny_model, **dict(args, max_steps=3)))
+    assert same.returncode == 0 and "float rounding" not in same.stderr, same.stderr[-2000:]
+    cut = train(train_args(tmp_path, tiny_model, **dict(args, batch_size=4, grad_accum=2,
+                                                       max_steps=4)))
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    assert "cut 4 x 2 x 1 rank(s), where it was 8 x 1 x 1: the same update up to float " \
+           "rounding" in cut.stderr
