@@ -459,11 +459,9 @@ def check_unchanged(args, parser, config, saved, when, world_size):
         if name == "global_batch":
             sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
                      f"{value} sequences when {when} and is {config[name]} now "
-                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pass "
-                     f"--global-batch-size {value} (it sets --grad-accum from the world size, "
-                     "and an elastic torchrun restarts the same command), or pick --batch-size "
-                     "and --grad-accum so that it stays the same, or start a new "
-                     "--experiment-name.")
+                     f"({args.batch_size} x {args.grad_accum} x {world_size}). "
+                     f"{same_global_batch(value, args.batch_size, world_size)}, or start a "
+                     "new --experiment-name.")
         gone = isinstance(value, str) and os.path.isabs(value) and _local(value) is None
         sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
                  f"{config.get(name)!r} now. Resuming would train a different run: pass "
@@ -471,6 +469,21 @@ def check_unchanged(args, parser, config, saved, when, world_size):
                      " (Nothing is at the old place now: if its files moved, link the old "
                      "place to the new one, `ln -s NEW OLD`, and pass the old value.)"
                      if gone else ""))
+
+
+def same_global_batch(batch, batch_size, world_size):
+    """The flags under which a resume on ``world_size`` ranks makes ``batch`` sequences a step
+    (the largest --batch-size up to ``batch_size`` that divides a rank's share), or why none do."""
+    if batch % world_size:
+        return (f"No --batch-size makes {batch} sequences on {world_size} ranks: resume on a "
+                f"number of ranks that divides {batch}")
+    share = batch // world_size
+    size = max(d for d in range(1, min(batch_size, share) + 1) if share % d == 0)
+    flags = f"--global-batch-size {batch}" if size == batch_size else \
+        f"--batch-size {size} --global-batch-size {batch}"
+    return (f"Pass `{flags}` without --grad-accum (it sets --grad-accum from the world size; "
+            "an elastic torchrun restarts that command on any number of ranks that divides "
+            f"{batch // size})")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
