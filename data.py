@@ -1344,8 +1344,7 @@ class Tokenize(Stage):
             self._states, future = self._inflight.popleft()
             self._batch, self._crcs, self._marks = future.result()  # raises what it raised
             self._popped += 1  # (after the batch before is let go: see _work)
-            # A resumed skip may pass whole batches: one saved by an older version counted
-            # the samples since the state before its batch, whatever their documents.
+            # A resumed skip may pass whole batches (a skip counted from an earlier batch's state).
             self._pos = min(self._skip, len(self._batch))
             self._skip -= self._pos
             if self._skipped[0] is not None:
@@ -1764,13 +1763,13 @@ class Batch(Stage):
 
 
 class Prefetch(Stage):
-    """The upstream run ``depth`` items ahead in a forked process; ``skipped``: bad records."""
+    """The upstream run ``depth`` items ahead in a forked process; ``counters``: data.counters."""
 
     def __init__(self, src, depth=2, *, pin_memory=False, follow=None, every=1, until=None):
         self.src, self.depth, self.until, self.interrupted = src, depth, until, False
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
-        self._ready, self._taken, self._followed, self.skipped = collections.deque(), 0, 0, 0
+        self._ready, self._taken, self._followed, self.counters = collections.deque(), 0, 0, {}
         self._got, self._ring = bytearray(), {}  # (bytes read ahead: _recv; pinned: _own)
         self._copied = torch.cuda.Event() if pin_memory else None
 
@@ -1822,7 +1821,7 @@ class Prefetch(Stage):
             raise self._end
         self._start()
         self._follow()
-        _, item, self.skipped, error = self._ready.popleft() if self._ready else self._item()
+        _, item, self.counters, error = self._ready.popleft() if self._ready else self._item()
         if error is not None:
             self._end = StopIteration() if isinstance(error, StopIteration) else error
             raise self._end
@@ -1970,7 +1969,7 @@ def _serve(conn, src, depth, every, parent, slots):
                 states.pop(made - depth - 2, None)
                 if isinstance(item, dict):  # (credits: the slot's last item was taken)
                     item = _share(item, slots, made % depth, depth)
-            notice = ("item", item, skipped_records(states.get(made - ended)), error)
+            notice = ("item", item, counters(states.get(made - ended)), error)
             conn.send_bytes(pickle.dumps(notice))  # (as made: a read may hang after it)
             made, credit = made + 1, credit - 1
     except (EOFError, OSError):  # the pipe closed: close(), or the parent is gone
@@ -2277,13 +2276,16 @@ def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, 
     return batches
 
 
-def skipped_records(loader_state):
-    """Bad records skipped so far (Files' "skipped"), summed over a pipeline's sources."""
-    if isinstance(loader_state, list):  # Mix: one state per domain
-        return sum(map(skipped_records, loader_state))
-    if not isinstance(loader_state, dict):
-        return 0
-    return loader_state.get("skipped", 0) + skipped_records(loader_state.get("upstream"))
+def counters(loader_state, into=None):
+    """A pipeline's counts so far, summed over its stages and sources: Files' bad records
+    ("skipped") and each stage's own ``counters`` state field ({name: number}; DESIGN.md 2)."""
+    into = {} if into is None else into
+    for state in loader_state if isinstance(loader_state, list) else [loader_state]:  # (Mix)
+        if isinstance(state, dict):
+            own = {"skipped": state.get("skipped", 0), **state.get("counters", {})}
+            into |= {name: into.get(name, 0) + n for name, n in own.items()}
+            counters(state.get("upstream"), into)
+    return into
 
 
 def source_epoch(loader_state):

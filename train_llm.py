@@ -95,8 +95,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                                  ctx, domains, tokenizer, args, state, stop)
     in_flight = utils.StepNumbers(ctx)  # read a step late
     timers = {k: utils.Timer() for k in ("data", "validation", "checkpoint")}
-    tokens_per_step = world_size * args.grad_accum * args.batch_size * args.seq_length
-    speed = utils.Throughput(timers, state["global_step"], tokens_per_step, flops, ctx)
+    speed = utils.Throughput(timers, state["tokens_seen"], flops, ctx)
     gc_control = utils.GarbageCollection(args.gc_freq)
     first_step, failure = state["global_step"] + 1, None
 
@@ -117,7 +116,8 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                     len(domains), writer, args, ctx)
                 stats["stop"] = on_device(stop.is_set(), ctx)  # all ranks learn it
                 state["global_step"] = step
-                state["tokens_seen"] += tokens_per_step
+                # The tokens this step took (each rank's alike: DDP steps together).
+                state["tokens_seen"] += world_size * sum(b["input_ids"].numel() for b in batches)
                 if step == first_step:  # (slow on some rank: compiling)
                     utils.stop_on_signals(stop)  # now: save, then stop
                     utils.set_collective_timeout(args.dist_timeout)
@@ -127,9 +127,9 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                            "tokens_seen": state["tokens_seen"],
                            **{f"mix/p_{d}": x for d, x in zip(domains, p)}}
                 if step % args.log_freq == 0 or step == args.max_steps:
-                    metrics |= speed.metrics(step)  # (the wall clock)
-                    skipped = train_loader.skipped  # bad records
-                    stats["data/skipped"] = on_device(skipped, ctx)
+                    metrics |= speed.metrics(state["tokens_seen"])  # (the wall clock)
+                    for name, n in train_loader.counters.items():  # skipped, your stage's
+                        stats[f"data/{name}"] = on_device(n, ctx)
                 if step % args.val_freq == 0 or step == args.max_steps:
                     with timers["validation"]:
                         metrics |= validate()
@@ -142,7 +142,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
             log.write_steps(move.own, domains, state)
             if failure := move.failure:
                 break
-            if move.validate and log.last and "val_loss" not in log.last:
+            if state["data_exhausted"] and log.last and "val_loss" not in log.last:
                 log.rewrite_last(validate())  # the last step taken
             if move.save:
                 with timers["checkpoint"]:
@@ -381,8 +381,7 @@ def validation_batches(args, tokenizer, domains, rank):
 
 
 def fetch(loader, args, ctx):
-    """A step's micro-batches, or None: the data ran out (--epochs;
-    on any rank: all stop), or a read hung (a signal came)."""
+    """A step's micro-batches; None: out of data (on any rank), or a read hung."""
     batches = [next(loader, None) for _ in range(args.grad_accum)]
     ran_out = utils.any_rank(None in batches, ctx) if args.epochs else None in batches
     return None if ran_out else batches
@@ -480,10 +479,13 @@ def train_step(model, batches, ctx, loss_fn, n_domains=0):
 
 
 def update(optimizers, schedulers):
-    """Each optimizer's and schedule's step; the lrs it used."""
-    names = [type(o).__name__.lower() for o in optimizers]
-    lrs = {f"lr/{name}{i if names.count(name) > 1 else ''}": o.param_groups[0]["lr"]
-           for i, (name, o) in enumerate(zip(names, optimizers))}
+    """Each optimizer's and schedule's step; the lrs it used (each group's, where they differ:
+    named by the group's "name", else its index)."""
+    names, lrs = [type(o).__name__.lower() for o in optimizers], {}
+    for i, (name, o) in enumerate(zip(names, optimizers)):
+        key = f"lr/{name}{i if names.count(name) > 1 else ''}"
+        groups = {f"{key}/{g.get('name', j)}": g["lr"] for j, g in enumerate(o.param_groups)}
+        lrs |= groups if len(set(groups.values())) > 1 else {key: o.param_groups[0]["lr"]}
     for optimizer, scheduler in zip(optimizers, schedulers):
         optimizer.step()
         scheduler.step()
@@ -538,7 +540,6 @@ class Move(NamedTuple):
     own: list = []  # this step's, read at once, to log
     save: bool = False  # a checkpoint of this step
     end: bool = False  # the loop ends after it
-    validate: bool = False  # the last step (the data ran out)
     failure: str = None  # the run ends without a checkpoint
 
 
@@ -566,7 +567,7 @@ def decide(step, in_flight, state, args, ran_out, stop_now):
     elif signal_came:
         LOGGER.info(f"Stopping at step {step}: rerun the same command to resume.")
     state["data_exhausted"] = ran_out and not stop_now  # done
-    return Move(late, own, save, end, validate=state["data_exhausted"])
+    return Move(late, own, save, end)
 
 
 def validation_metrics(model, batches, ctx, domains, tokenizer, args, state, stop):
@@ -641,8 +642,7 @@ def get_parser():
     fixed("--shuffle-buffer", type=at_least(1), default=1000, help="1: off")
     fixed("--active-shards", type=at_least(1), default=8, help="read at once: k x world size")
     fixed("--epochs", type=at_least(1), help="default: endless")
-    fixed("--data-format", choices=["jsonl", "parquet", "text", *data.TOKEN_FORMATS],
-          help="for shards whose names do not tell")
+    fixed("--data-format", choices=["jsonl", "parquet", "text", *data.TOKEN_FORMATS])
     add("--tokenizer-threads", type=at_least(1), default=2)
     add("--skip-bad-records", action="store_true", help="count them, go on")
     add("--max-doc-chars", type=at_least(0), default=100_000, help="cut longer ones (0: never)")

@@ -91,8 +91,9 @@ def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"
     """(model, tokenizer, the run's config or None, the checkpoint or directory read) from what
     a user calls "my model": a run directory (its newest checkpoint), a checkpoint directory, a
     Hugging Face directory (such as a run's hf/) or a Hub name. The model is float32, on the
-    CPU. A checkpoint's model is built by the create_model of the script that trained the run
-    (rebuild_model), or of ``script`` if given. ``what``: how errors name ``path``."""
+    CPU, generating with its KV cache (with_cache). A checkpoint's model is built by the
+    create_model of the script that trained the run (rebuild_model), or of ``script`` if
+    given. ``what``: how errors name ``path``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path)
     if script is not None and not Path(script).is_file():
@@ -108,12 +109,23 @@ def load_trained(path, script=None, what="run, checkpoint or Hugging Face model"
                           f"weights at random and drops {len(info['unexpected_keys'])} (e.g. "
                           f"{sorted({*info['missing_keys'], *info['unexpected_keys']})[:3]}): it "
                           "is not the model it was saved from")
-        return (model, utils.pretrained(AutoTokenizer, str(path), f"the tokenizer of {what}"),
-                config, path)
+        return (with_cache(model), utils.pretrained(AutoTokenizer, str(path),
+                                                    f"the tokenizer of {what}"), config, path)
     model, config, ckpt_dir = read_checkpoint(path, lambda ckpt: from_checkpoint(
         ckpt, script))
     tokenizer = utils.pretrained(AutoTokenizer, config["tokenizer"], "the run's --tokenizer")
-    return model, tokenizer, config, ckpt_dir
+    return with_cache(model), tokenizer, config, ckpt_dir
+
+
+def with_cache(model):
+    """``model`` set to generate with its KV cache (use_cache on in its config and generation
+    config), which training turns off (utils.check_model). A model without that notion (one of
+    your own, without a transformers config) is returned as it is."""
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = True
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = True
+    return model
 
 
 def from_checkpoint(ckpt_dir, script=None):

@@ -328,6 +328,7 @@ def open_run(args, parser, rank, world_size, script):
                          "trains nothing: nothing was changed. Raise --max-steps to train on "
                          "from it.")
             return None
+        say_new_cut(args, state, world_size)
     keep_schedule(args, state)
     state["script"] = str(Path(script).resolve())
     state["args"] = dict(vars(args))  # every flag, as create_model may read any (rebuild_model)
@@ -341,6 +342,18 @@ def open_run(args, parser, rank, world_size, script):
     state["run_dir"] = str(exp_dir.resolve())
     run.state = state
     return run
+
+
+def say_new_cut(args, state, world_size):
+    """A resume that cuts the run's global batch another way (--batch-size x --grad-accum x
+    ranks) takes the same update up to float rounding, not bit for bit: one line says so."""
+    old = state.get("args") or {}
+    was = (old.get("batch_size"), old.get("grad_accum"), state.get("world_size"))
+    if None not in was and was != (args.batch_size, args.grad_accum, world_size):
+        LOGGER.warning(
+            f"The global batch is cut {args.batch_size} x {args.grad_accum} x {world_size} "
+            f"rank(s), where it was {' x '.join(map(str, was))}: the same update up to float "
+            "rounding, not bit for bit (DESIGN.md section 7)")
 
 
 def keep_schedule(args, state):
@@ -446,11 +459,9 @@ def check_unchanged(args, parser, config, saved, when, world_size):
         if name == "global_batch":
             sys.exit(f"The global batch (--batch-size x --grad-accum x world size) was "
                      f"{value} sequences when {when} and is {config[name]} now "
-                     f"({args.batch_size} x {args.grad_accum} x {world_size}). Pass "
-                     f"--global-batch-size {value} (it sets --grad-accum from the world size, "
-                     "and an elastic torchrun restarts the same command), or pick --batch-size "
-                     "and --grad-accum so that it stays the same, or start a new "
-                     "--experiment-name.")
+                     f"({args.batch_size} x {args.grad_accum} x {world_size}). "
+                     f"{same_global_batch(value, args.batch_size, world_size)}, or start a "
+                     "new --experiment-name.")
         gone = isinstance(value, str) and os.path.isabs(value) and _local(value) is None
         sys.exit(f"--{name.replace('_', '-')} was {value!r} when {when} and is "
                  f"{config.get(name)!r} now. Resuming would train a different run: pass "
@@ -458,6 +469,21 @@ def check_unchanged(args, parser, config, saved, when, world_size):
                      " (Nothing is at the old place now: if its files moved, link the old "
                      "place to the new one, `ln -s NEW OLD`, and pass the old value.)"
                      if gone else ""))
+
+
+def same_global_batch(batch, batch_size, world_size):
+    """The flags under which a resume on ``world_size`` ranks makes ``batch`` sequences a step
+    (the largest --batch-size up to ``batch_size`` that divides a rank's share), or why none do."""
+    if batch % world_size:
+        return (f"No --batch-size makes {batch} sequences on {world_size} ranks: resume on a "
+                f"number of ranks that divides {batch}")
+    share = batch // world_size
+    size = max(d for d in range(1, min(batch_size, share) + 1) if share % d == 0)
+    flags = f"--global-batch-size {batch}" if size == batch_size else \
+        f"--batch-size {size} --global-batch-size {batch}"
+    return (f"Pass `{flags}` without --grad-accum (it sets --grad-accum from the world size; "
+            "an elastic torchrun restarts that command on any number of ranks that divides "
+            f"{batch // size})")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -843,20 +869,20 @@ class Throughput:
     """tokens/s and MFU (per GPU; None without a known peak) over all the wall clock since the
     last call (DESIGN.md section 7), its share waiting for data, the ``timers``, and memory."""
 
-    def __init__(self, timers, step, tokens_per_step, flops_per_token, ctx):
+    def __init__(self, timers, tokens_seen, flops_per_token, ctx):
         name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
         peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
         self.most = peak and peak * ctx.world_size / flops_per_token  # tokens/s at 100% MFU
-        self.timers, self.tokens_per_step, self.device = timers, tokens_per_step, ctx.device
-        self.step, self.start = step, time.perf_counter()
+        self.timers, self.device = timers, ctx.device
+        self.tokens, self.start = tokens_seen, time.perf_counter()
         if ctx.device.type == "cuda":  # the peaks of training alone, from an empty cache
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
 
-    def metrics(self, step):
+    def metrics(self, tokens_seen):
         now, spent = time.perf_counter(), {name: t.pop() for name, t in self.timers.items()}
-        seconds, tokens = now - self.start, (step - self.step) * self.tokens_per_step
-        self.step, self.start = step, now
+        seconds, tokens = now - self.start, tokens_seen - self.tokens
+        self.tokens, self.start = tokens_seen, now
         return {"tokens_per_s": tokens / seconds, "data_wait": spent.pop("data") / seconds,
                 "mfu": tokens / seconds / self.most if self.most else None,
                 **{f"time/{k}_s": v for k, v in spent.items()}, **memory_stats(self.device)}

@@ -18,6 +18,7 @@ eval.jsonl (one line per task, with the step) and logged to its wandb run if it 
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -86,10 +87,33 @@ def laid_out(tokenizer, layout, data):
 def scores(results):
     """{task: {metric: value}} of lm_eval's results, its ",none" filter suffix dropped; each
     score's standard error beside it as METRIC_stderr (a difference of less than about two
-    of them between two runs is noise)."""
-    return {task: {k.removesuffix(",none"): v for k, v in metrics.items()
-                   if "," in k and isinstance(v, (int, float))}
-            for task, metrics in results["results"].items()}
+    of them between two runs is noise), the per-token and per-byte ones' from ratio_stderr."""
+    table = {task: {k.removesuffix(",none"): v for k, v in metrics.items()
+                    if "," in k and isinstance(v, (int, float))}
+             for task, metrics in results["results"].items()}
+    for task, samples in results.get("samples", {}).items():
+        for metric, error in RATIO_STDERR.items():
+            pairs = [sample[metric] for sample in samples if metric in sample]
+            if metric in table.get(task, {}) and f"{metric}_stderr" not in table[task] \
+                    and len(pairs) > 1:
+                table[task][f"{metric}_stderr"] = error(table[task][metric], ratio_stderr(pairs))
+    return table
+
+
+def ratio_stderr(pairs):
+    """The standard error of sum(-log-likelihood) / sum(units) over documents ((log-likelihood,
+    units) pairs: tokens, bytes, words), a ratio of two means: the delta method's."""
+    y, x = [-ll for ll, _ in pairs], [units for _, units in pairs]
+    n, ratio = len(pairs), sum(y) / sum(x)
+    spread = sum((a - ratio * b) ** 2 for a, b in zip(y, x)) / (n - 1)
+    return math.sqrt(spread / n) / (sum(x) / n)
+
+
+# lm-eval's scores of whole documents (a ratio over them) that it gives no standard error:
+# from ratio_stderr's, in nats per unit (bits per byte: / ln 2; a perplexity exp(r): its x).
+RATIO_STDERR = {"bits_per_byte": lambda score, se: se / math.log(2),
+                "byte_perplexity": lambda score, se: score * se,
+                "word_perplexity": lambda score, se: score * se}
 
 
 def record(ckpt, table, args):

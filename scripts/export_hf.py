@@ -156,6 +156,7 @@ def main():
                                                                 args.weights)
     if callable(getattr(model, "merge_and_unload", None)):  # adapters (LoRA) merged: plain
         model = model.merge_and_unload()
+    trained.with_cache(model)  # generates with its KV cache (a copy's trained.py may not)
     if not isinstance(model, transformers.PreTrainedModel):
         sys.exit(f"{source} trained {type(model).__name__}, a model of its own (the "
                  "create_model of its training script), not a transformers one: there is no "

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import gzip
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -192,6 +193,14 @@ def script(name, argv, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
     runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__")
     return capsys.readouterr().out
+
+
+def script_module(name):
+    """scripts/NAME.py imported as a module (its main() not run), for its functions."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def refused(result, *words):

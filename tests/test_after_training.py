@@ -2,10 +2,12 @@
 kill or a full disk leaves no half export; never over what the kit did not write),
 scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."""
 
+import csv
 import fcntl
 import json
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -20,6 +22,7 @@ from helpers import (
     metrics,
     refused,
     script,
+    script_module,
     snapshot,
     start,
     straight_and_killed,
@@ -27,6 +30,8 @@ from helpers import (
     train_args,
     wait_for,
 )
+from matplotlib.colors import to_hex
+from own_model import TinyGPT
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import trained
@@ -315,6 +320,71 @@ def test_plot_metrics_draws_several_runs_on_the_same_axes(tmp_path):
                            text=True, timeout=60), "several runs: pass --out")
 
 
+def fake_run(exp_dir, final_val_loss=5.0, seed=0, **config):
+    """A run directory as train_llm.py leaves it, for plot_metrics.py: 4 steps of metrics
+    (validations at 2 and 4, the last ``final_val_loss``) and a state.json whose config is
+    ``config`` with ``seed``."""
+    exp_dir.mkdir()
+    (exp_dir / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": final_val_loss + 1 - s / 4, "tokens_per_s": 1000.0 + seed,
+         **({"val_loss": final_val_loss + (4 - s) / 4} if s % 2 == 0 else {})}) + "\n"
+        for s in range(1, 5)))
+    (exp_dir / "state.json").write_text(json.dumps(
+        {"global_step": 4, "decay_steps": 4, "config": {"lr": 0.004, **config, "seed": seed,
+                                                          "file_digests": {"a": "1"}}}))
+    return exp_dir
+
+
+def test_plot_metrics_tells_twelve_runs_apart_with_a_legend_outside_the_axes(tmp_path):
+    """12 runs of 12 learning rates: 12 looks (colour, line style), none twice, and a legend
+    naming each, outside every axes (covering no point) and inside the figure."""
+    plot = script_module("plot_metrics")
+    runs = [fake_run(tmp_path / f"lr{i}", lr=(i + 1) / 1000) for i in range(12)]
+    fig = plot.figure(plot.group_runs(runs))
+    fig.canvas.draw()
+    looks = {line.get_label(): (to_hex(line.get_color()), line.get_linestyle())
+             for line in fig.axes[0].lines if not line.get_label().startswith("_")}
+    assert sorted(looks) == sorted(f"lr={(i + 1) / 1000}" for i in range(12))
+    assert len(set(looks.values())) == 12, looks
+    [legend] = fig.legends
+    assert set(looks) <= {text.get_text() for text in legend.get_texts()}
+    box = legend.get_window_extent()
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and \
+        box.y1 <= fig.bbox.y1
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+
+def test_plot_metrics_draws_and_tables_seeds_of_a_configuration_as_mean_and_spread(
+        tmp_path, capsys, monkeypatch):
+    """Three seeds of AdamW and two of Muon (given interleaved): two configurations, each
+    drawn as the mean of its seeds with a band from their minimum to their maximum; the table
+    (printed, and --table as CSV) holds each one's final metrics as mean and sd over seeds."""
+    finals = {"adamw": [5.0, 5.2, 5.6], "muon": [4.0, 4.4]}
+    runs = {name: [fake_run(tmp_path / f"{name}-s{seed}", value, seed, optimizer=name)
+                   for seed, value in enumerate(values)] for name, values in finals.items()}
+    plot = script_module("plot_metrics")
+    groups = plot.group_runs([*sorted(runs["adamw"] + runs["muon"], key=lambda d: d.name[-1])])
+    assert [(label, len(members)) for label, members in groups] == [
+        ("optimizer=adamw", 3), ("optimizer=muon", 2)]
+    ax = plot.figure(groups).axes[0]
+    assert len(ax.collections) == 4  # a band each: train and validation loss, 2 groups
+    validation = [line for line in ax.lines if line.get_marker() == "o"]
+    for line, values in zip(validation, finals.values()):
+        assert line.get_ydata()[-1] == pytest.approx(statistics.mean(values))
+    printed = script("plot_metrics", [*runs["adamw"], *runs["muon"], "--out",
+                                      tmp_path / "seeds.png", "--table", tmp_path / "t.csv"],
+                     capsys, monkeypatch)
+    with open(tmp_path / "t.csv") as f:
+        table = {row["configuration"]: row for row in csv.DictReader(f)}
+    for name, values in finals.items():
+        row = table[f"optimizer={name}"]
+        assert row["runs"].split() == [d.name for d in runs[name]]
+        assert float(row["val_loss_mean"]) == pytest.approx(statistics.mean(values))
+        assert float(row["val_loss_sd"]) == pytest.approx(statistics.stdev(values))
+        assert f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g}" in printed
+    assert (tmp_path / "seeds.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("given, words", [
     ("/nope.py", ["--script /nope.py: no such file"]),
@@ -450,3 +520,29 @@ def test_an_init_from_run_whose_weights_do_not_fit_its_source_says_why_and_which
     for words in (f"1 missing (e.g. {name})", "1 unexpected (e.g. " + name.replace(
             "c_attn.weight", "c_attn.base.weight"), "rebuilt as its source's model", "--script"):
         assert words in str(failed.value), (words, str(failed.value))
+
+
+def test_an_export_and_a_loaded_model_generate_with_the_kv_cache(four_steps, tmp_path):
+    """Training runs without a KV cache; its export and what load_trained returns generate
+    with one (config.json and generation_config.json say use_cache), to the same greedy
+    tokens as without it. An export written with use_cache off loads with it on."""
+    hf = four_steps / "hf"
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((hf / name).read_text())["use_cache"] is True, name
+    model = AutoModelForCausalLM.from_pretrained(hf).eval()  # as any user loads it
+    ids = torch.tensor([[0, 5, 300, 17]])
+    cached, uncached = (model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=12, min_new_tokens=12, use_cache=use,
+                                       output_logits=True, return_dict_in_generate=True)
+                        for use in (True, False))
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits))
+    old = shutil.copytree(hf, tmp_path / "old")
+    for name in ("config.json", "generation_config.json"):
+        (old / name).write_text(json.dumps({**json.loads((old / name).read_text()),
+                                            "use_cache": False}))
+    for source in (old, four_steps, four_steps / "checkpoints/step-000002"):
+        loaded = trained.load_trained(source)[0]
+        assert loaded.config.use_cache and loaded.generation_config.use_cache, source
+    own = TinyGPT(vocab_size=8)  # no such notion: left as it is
+    assert trained.with_cache(own) is own and not hasattr(own, "config")

@@ -583,3 +583,34 @@ def test_a_negative_token_id_is_refused_naming_the_stage(make):
     with pytest.raises(ValueError, match=rf"^{make.__name__}: input_ids hold an id below 0 .*"
                                          r"\(from -100 to 4\)"):
         next(make(Sequence([{"input_ids": [1, 2, -100, 3, 4]}]), 2))
+
+
+class Dropping(Filter):
+    """A learner's filter whose count of dropped samples is one field of its state."""
+
+    def __init__(self, src, fn):
+        super().__init__(src, fn)
+        self.dropped = 0
+
+    def __next__(self):
+        while not self.fn(sample := next(self.src)):
+            self.dropped += 1
+        return sample
+
+    def state_dict(self):
+        return self._state(counters={"dropped": self.dropped})
+
+    def load_state_dict(self, state):
+        self._load(state)
+        self.dropped = state["counters"]["dropped"]
+
+
+def test_a_stages_own_counter_reaches_the_loop_with_each_item():
+    """A stage's `counters` state field arrives with each item Prefetch hands out (as Files'
+    bad records do, as "skipped"): the count as of that item, summed over the stages."""
+    p = Prefetch(Dropping(Sequence(range(30)), lambda x: x % 3), depth=3)
+    taken = [(next(p), dict(p.counters)) for _ in range(6)]
+    p.close()
+    assert [x for x, _ in taken] == [1, 2, 4, 5, 7, 8]
+    assert [c["dropped"] for _, c in taken] == [1, 1, 2, 2, 3, 3]  # 0, 3, 6 dropped so far
+    assert all(c["skipped"] == 0 for _, c in taken)

@@ -4,12 +4,24 @@ checkpoint's scores go into the run's eval.jsonl with their step."""
 
 import importlib.util
 import json
+import math
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 
 import pytest
-from helpers import ENV, ROOT, copy_run, script, train, train_args, wandb_history
+from helpers import (
+    ENV,
+    ROOT,
+    copy_run,
+    script,
+    script_module,
+    train,
+    train_args,
+    wandb_history,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
@@ -30,6 +42,7 @@ def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
     scores, errors = table(out), table(out, stderr=True)
     assert {("kit_cloze", "acc"), ("kit_bpb", "bits_per_byte")} <= set(scores)
     assert float(errors["kit_cloze", "acc"]) > 0  # runs are compared with their noise
+    assert math.isfinite(float(errors["kit_bpb", "bits_per_byte"]))
     assert 0 <= scores["kit_cloze", "acc"] <= 1 and scores["kit_bpb", "bits_per_byte"] > 0
     assert table(script("evaluate", [exp / "hf", "--limit", 6], capsys, monkeypatch)) == scores
     script("evaluate", [exp / "checkpoints/step-000002", "--limit", 6, "--tasks", "kit_bpb"],
@@ -39,6 +52,40 @@ def test_a_run_is_scored_offline_as_its_export_is_and_the_scores_are_kept(
         ("kit_cloze", 4), ("kit_bpb", 4), ("kit_bpb", 2)]  # (hf/ is no run: not kept)
     assert lines[1]["bits_per_byte"] == pytest.approx(scores["kit_bpb", "bits_per_byte"], abs=1e-4)
     assert lines[0]["acc_stderr"] == pytest.approx(float(errors["kit_cloze", "acc"]), abs=1e-4)
+
+
+def test_bits_per_byte_has_a_standard_error_over_documents():
+    """kit_bpb's scores (a ratio over documents: their log-likelihoods over their bytes or
+    words), which lm-eval gives no standard error, get a finite one: with documents of equal
+    length, the sd of the per-document bits per byte over sqrt(n); with unequal ones, about
+    the sd of a bootstrap over the documents."""
+    evaluate = script_module("evaluate")
+    rng = random.Random(0)
+
+    def document(equal):  # (log-likelihood, bytes)
+        n = 400 if equal else rng.randint(50, 800)
+        return -rng.uniform(0.3, 2.0) * n, n
+
+    for equal in (True, False):
+        pairs = [document(equal) for _ in range(60)]
+        bpb = -sum(ll for ll, _ in pairs) / sum(n for _, n in pairs) / math.log(2)
+        results = {"results": {"kit_bpb": {"bits_per_byte,none": bpb,
+                                           "bits_per_byte_stderr,none": "N/A",
+                                           "byte_perplexity,none": 2 ** bpb}},
+                   "samples": {"kit_bpb": [{"doc_id": i, "bits_per_byte": p,
+                                            "byte_perplexity": p} for i, p in enumerate(pairs)]}}
+        table = evaluate.scores(results)["kit_bpb"]
+        error = table["bits_per_byte_stderr"]
+        assert math.isfinite(error) and error > 0
+        assert table["byte_perplexity_stderr"] == pytest.approx(
+            2 ** bpb * error * math.log(2))  # the same ratio, through exp
+        if equal:
+            per_document = [-ll / n / math.log(2) for ll, n in pairs]
+            assert error == pytest.approx(statistics.stdev(per_document) / math.sqrt(60))
+        else:
+            boot = [(lambda draw: -sum(ll for ll, _ in draw) / sum(n for _, n in draw) /
+                     math.log(2))(rng.choices(pairs, k=60)) for _ in range(2000)]
+            assert error == pytest.approx(statistics.stdev(boot), rel=0.15)
 
 
 @pytest.mark.parametrize("tasks", ["", ","])

@@ -4,17 +4,26 @@ anything changes; a flag the saved config lacks counts as its default; paths tha
 same files go on."""
 
 import json
+import os
+import re
 import shutil
+from unittest import mock
 
 import pytest
 from helpers import (
     ROOT,
     copy_run,
+    examples,
     refused,
     snapshot,
     train,
     train_args,
 )
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+import train_llm
+import utils
 
 
 def test_a_checkpoint_of_another_run_is_refused(four_steps, tmp_path, tiny_model):
@@ -86,3 +95,32 @@ def test_a_tokenizer_or_model_config_edited_in_place_is_refused_by_name(tmp_path
     again = train_args(tmp_path, model, name="k", max_steps=4, ckpt_freq=2, tokenizer=tokenizer)
     refused(train(again), f"{path} changed since", "put the old files back")
     assert snapshot(tmp_path / "k") == before
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(batch=st.integers(1, 96), world_size=st.integers(1, 8), batch_size=st.integers(1, 32))
+@example(batch=8, world_size=1, batch_size=16)  # the run had 8; the resume says -b 16
+def test_the_advice_on_a_changed_global_batch_is_a_command_that_works(batch, world_size,
+                                                                      batch_size):
+    """A resume whose global batch is not the run's (``batch``: --batch-size 16 where the run
+    had 8 sequences on 1 rank, say) is refused with flags that, added to its command, are
+    accepted and make ``batch`` again, at no larger a --batch-size; where no --batch-size can
+    on that many ranks, it says so and advises no flags."""
+    assume(batch != batch_size * world_size)
+    parser = train_llm.get_parser()
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size)}):
+        args = train_llm.parse_args(["-e", "x", "-b", str(batch_size)])
+        config = {name: getattr(args, name) for name in parser.fingerprint}
+        with pytest.raises(SystemExit) as refusal:
+            utils.check_unchanged(args, parser, {**config, "global_batch": batch_size * world_size},
+                                  {**config, "global_batch": batch}, "it was started", world_size)
+        message = str(refusal.value.code)
+        advised = " ".join(re.findall(r"--[a-z-]+ \d+", message)).split()
+        if batch % world_size:
+            assert not advised, message
+            assert f"No --batch-size makes {batch} sequences on {world_size} ranks" in message
+            return
+        assert advised, message
+        again = train_llm.parse_args(["-e", "x", "-b", str(batch_size), *advised])
+    assert again.batch_size * again.grad_accum * world_size == batch, message
+    assert again.batch_size <= batch_size, message

@@ -178,3 +178,16 @@ def test_two_optimizers_of_one_class_log_each_its_lr():
     two = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr) for lr in (0.1, 0.2)]
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in two]
     assert train_llm.update(two, schedules) == {"lr": 0.1, "lr/sgd0": 0.1, "lr/sgd1": 0.2}
+
+
+def test_each_param_groups_lr_is_logged_where_they_differ():
+    """A learner's 10x lr on the embeddings: each group's lr, by its "name" or its index;
+    groups that share their lr (AdamW's decayed and not) stay one "lr/<class>"."""
+    w = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    groups = torch.optim.AdamW([{"params": w[:1], "lr": 1e-2, "name": "embeddings"},
+                                {"params": w[1:2]}], lr=1e-3)
+    alike = torch.optim.AdamW([{"params": w[2:3]}, {"params": w[3:], "weight_decay": 0}], lr=1e-3)
+    optimizers = [groups, alike]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0) for o in optimizers]
+    assert train_llm.update(optimizers, schedules) == {
+        "lr": 1e-2, "lr/adamw0/embeddings": 1e-2, "lr/adamw0/1": 1e-3, "lr/adamw1": 1e-3}

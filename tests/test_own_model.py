@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, ROOT, copy_kit, kill_at, metrics, refused, train_args
+from helpers import ENV, ROOT, copy_kit, kill_at, metrics, refused, train, train_args
 
 STEPS = 8
 CREATE_MODEL = """
@@ -121,3 +121,21 @@ def test_it_needs_no_model_name_that_exists(project, tmp_path):
     result = own(project, args)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "run/checkpoints/step-000001").is_dir()
+
+
+@pytest.mark.slow
+def test_a_llama_config_as_model_name_trains_and_loads_as_llama(tmp_path):
+    """No code: a Llama-style config (RoPE, RMSNorm, SwiGLU, 4 heads of which 2 key-value)
+    saved in a directory is --model-name; the run trains and loads back as that model."""
+    from transformers import LlamaConfig
+
+    import trained
+    LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                bos_token_id=0, eos_token_id=0, pad_token_id=1).save_pretrained(tmp_path / "llama")
+    result = train(train_args(tmp_path, tmp_path / "llama", max_steps=4, ckpt_freq=4,
+                              val_freq=4, sample_tokens=4))
+    assert result.returncode == 0, result.stderr[-2000:]
+    model = trained.load_trained(tmp_path / "run")[0]
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_key_value_heads == 2 and len(metrics(tmp_path / "run")) == 4

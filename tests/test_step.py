@@ -2,9 +2,12 @@
 packed samples that do not see each other, and a loss that equals cross-entropy without
 float32 copies of all the logits."""
 
+import itertools
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 import types
 
@@ -13,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import ENV, ROOT, copy_kit, metrics, train, train_args
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import train_llm
@@ -191,17 +195,17 @@ def test_logged_throughput_is_the_wall_clock_between_log_steps(monkeypatch):
     monkeypatch.setattr(utils.time, "perf_counter", lambda: clock["now"])
     timers = {name: utils.Timer() for name in ("data", "validation", "checkpoint")}
     ctx = train_llm.Context(0, 2, torch.device("cpu"), True)
-    speed = utils.Throughput(timers, 10, tokens_per_step=1000, flops_per_token=6, ctx=ctx)
+    speed = utils.Throughput(timers, 10_000, flops_per_token=6, ctx=ctx)
     for seconds, timer in ((0.5, "data"), (3.0, "validation"), (1.5, "checkpoint")):
         with timers[timer]:
             clock["now"] += seconds
     clock["now"] += 5.0  # the steps themselves
-    metrics = speed.metrics(step=20)
+    metrics = speed.metrics(tokens_seen=20_000)
     assert metrics["tokens_per_s"] == pytest.approx(10 * 1000 / 10.0)
     assert metrics["data_wait"] == pytest.approx(0.05)
     assert metrics["time/validation_s"] == 3.0 and metrics["time/checkpoint_s"] == 1.5
     clock["now"] += 2.0
-    metrics = speed.metrics(step=25)  # from the last call on, timers emptied
+    metrics = speed.metrics(tokens_seen=25_000)  # from the last call on, timers emptied
     assert metrics["tokens_per_s"] == pytest.approx(5 * 1000 / 2.0) and metrics["data_wait"] == 0
 
 
@@ -330,3 +334,41 @@ def test_an_moe_that_balances_its_experts_is_refused_for_packed_sft_by_name():
         utils.check_model(model, tokenizer, args)
     assert "output_router_logits" in str(stop.value) and "--task pretrain" in str(stop.value)
     utils.check_model(model, tokenizer, train_llm.parse_args(["-e", "x"]))  # pretraining: fine
+
+
+@pytest.mark.slow
+def test_tokens_are_counted_from_the_batches_a_step_takes(tmp_path, tiny_model):
+    """A learner's batch schedule (from step 3 on, each step fetches twice the micro-batches):
+    tokens_seen, the tokens/s it is logged with, and the last line count what was trained."""
+    script = copy_kit(tmp_path / "kit", script="train_llm.py", edits=[(
+        "                batches = fetch(train_loader, args, ctx)  # None: no more\n",
+        "                batches = fetch(train_loader, args, ctx)  # None: no more\n"
+        "                if batches and step > 2:\n"
+        "                    batches += fetch(train_loader, args, ctx) or []\n")])
+    args = train_args(tmp_path, tiny_model, max_steps=6, log_freq=1, val_freq=6, ckpt_freq=6,
+                      tokenizer=ROOT / "assets/tokenizer", sample_tokens=0,
+                      dataset=f"{ROOT}/data/sample/*/train-*.jsonl",
+                      val_dataset=f"{ROOT}/data/sample/*/val-*.jsonl")
+    result = subprocess.run([sys.executable, str(script), *args], cwd=script.parent, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    step_tokens = 4 * 32  # --batch-size 4 x --seq-length 32
+    expected = list(itertools.accumulate(step_tokens * (1 if s <= 2 else 2) for s in range(1, 7)))
+    logged = metrics(tmp_path / "run")
+    assert [line["tokens_seen"] for line in logged] == expected
+    assert f"{expected[-1]:,} tokens" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_that_cuts_the_global_batch_another_way_says_so(tmp_path, tiny_model):
+    """8 x 1 resumed as 4 x 2: the same update up to float rounding, not bit for bit, said in
+    one line; resumed with its own cut, nothing is said."""
+    args = dict(batch_size=8, grad_accum=1, max_steps=2, ckpt_freq=2, val_freq=10)
+    assert train(train_args(tmp_path, tiny_model, **args)).returncode == 0
+    same = train(train_args(tmp_path, tiny_model, **dict(args, max_steps=3)))
+    assert same.returncode == 0 and "float rounding" not in same.stderr, same.stderr[-2000:]
+    cut = train(train_args(tmp_path, tiny_model, **dict(args, batch_size=4, grad_accum=2,
+                                                       max_steps=4)))
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    assert "cut 4 x 2 x 1 rank(s), where it was 8 x 1 x 1: the same update up to float " \
+           "rounding" in cut.stderr
