@@ -729,8 +729,7 @@ def _where(slot):
     return f"line {slot['line']}" if slot["start"] == 0 else f"byte {slot['offset']}"
 
 
-# -- Files' readers: generators of (line or record, where the next one starts) -----------------
-# Each reads one split from where its slot is; ``open_shard(url, at)`` opens a shard at ``at``.
+# -- Files' readers: (line or record, where the next starts) of a split, from its slot's place --
 MAX_LINE_BYTES = 256 << 20  # a longer line is refused unread (DESIGN.md section 5)
 
 
@@ -1296,8 +1295,7 @@ class Tokenize(Stage):
                                  "reports such records with their shard and line")
         pieces = [[s] if "input_ids" in s else _pieces(s, self.column, self.max_chars, self._cuts)
                   for s in samples]
-        # Once piece i of n of document d is handed out, the state is (states[d + 1], skip 0)
-        # if it was the last, else (states[d], skip i + 1).
+        # Piece i of document d handed out: (states[d + 1], 0) if last, else (states[d], i + 1).
         marks = [(d + 1, 0) if i == len(cut) - 1 else (d, i + 1)
                  for d, cut in enumerate(pieces) for i in range(len(cut))]
         samples = [piece for cut in pieces for piece in cut]
