@@ -211,6 +211,11 @@ def check_args(parser, args, local_paths, shipped):
     if getattr(args, "profile_steps", None) and args.profile_steps[1] > args.max_steps:
         parser.error(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]} ends "
                      f"after --max-steps {args.max_steps}: those steps never run")
+    if getattr(args, "eval_freq", None) and args.eval_freq % args.val_freq:
+        parser.error(f"--eval-freq {args.eval_freq} must be a multiple of --val-freq "
+                     f"{args.val_freq}: the scores are taken at validations")
+    if not getattr(args, "eval_tasks", True) and (args.eval_freq or args.eval_limit):
+        parser.error("--eval-freq and --eval-limit go with --eval-tasks, which names the tasks")
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
                      "from --lr down to --min-lr")
@@ -908,6 +913,8 @@ def format_metrics(m):
         spent = "".join(f" | {k[5:-2]} {v:.2f} s" for k, v in m.items() if k[:5] == "time/" and v)
         line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}{spent}"
                  f" | MFU {mfu} | {memory}")
+    line += "".join(f" | {k[5:]} {v:.4g}" for k, v in m.items()
+                    if k[:5] == "eval/" and not k.endswith("_stderr"))
     if "sample" in m:
         line += f" | sample {m['sample']!r}"
     return line

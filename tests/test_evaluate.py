@@ -2,7 +2,6 @@
 (assets/eval), the same from the run directory as from its hf/ export, and a run's or
 checkpoint's scores go into the run's eval.jsonl with their step."""
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from helpers import ENV, ROOT, copy_run, script, train, train_args, wandb_histor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
+import trained
 
 
 def table(out, stderr=False):
@@ -60,13 +60,9 @@ def test_tasks_that_do_not_exist_are_refused_by_name_before_the_model_loads(
 def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
     """The kit's instruction template, given to lm-eval as a chat template, lays a prompt out
     exactly as FormatInstructions trained it (and as generate.py prompts), text taken as is."""
-    spec = importlib.util.spec_from_file_location("evaluate_script",
-                                                  ROOT / "scripts/evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
-    assert not evaluate.laid_out(tokenizer, None, data)
-    assert evaluate.laid_out(tokenizer, "instruction", data)
+    assert not trained.laid_out(tokenizer, None)
+    assert trained.laid_out(tokenizer, "instruction")
     for text in ("Name three colors.", "a {{ jinja }} {% if %} 'quoted' \\n line\nbreak"):
         assert tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False,
@@ -77,8 +73,8 @@ def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
     bos = tokenizer.bos_token_id
     for bos_first, text in ((True, "The river"), (True, tokenizer.bos_token + "The river"),
                             (False, "The river")):
-        lm = evaluate.KitLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu",
-                            bos_first=bos_first)
+        lm = trained.kit_lm()(pretrained=model, tokenizer=tokenizer, batch_size=1,
+                              bos_first=bos_first)
         context, _ = lm._encode_pair(text, " runs")
         assert context[:2].count(bos) == bos_first, (bos_first, text)
 
