@@ -324,7 +324,6 @@ def mixture(args, state):
     return domains, weights, mixer
 
 
-
 def build_pipeline(urls, tokenizer, args, rank, world_size, *, train,
                    weights=None, mixer=None, pin_memory=False, until=None):
     """Documents -> token ids -> sequences -> batches. With weights,
@@ -577,9 +576,8 @@ def validation_metrics(model, batches, ctx, domains, tokenizer, args, state, sto
         return {"stopped": True}
     metrics = {"val_loss": val_loss, **{f"val_loss/{d}": x for d, x in zip(domains, per_domain)}}
     if args.sample_tokens:  # a sample of text, logged
-        prompt_format = trained.prompt_format(state["config"])
-        metrics["sample"] = trained.sample(model, tokenizer, args, ctx, prompt_format)
-    return metrics
+        metrics["sample"] = trained.sample(model, tokenizer, args, ctx, state["config"])
+    return metrics | trained.eval_metrics(model, tokenizer, args, ctx, state)
 
 
 @torch.no_grad()
@@ -618,7 +616,6 @@ def get_parser():
     parser = utils.ArgumentParser(description=__doc__.split("\n")[0])
     at_least, finite = utils.at_least, utils.finite
     # fixed: a flag that shapes the steps (a resume may not change it); add: the others.
-
     add, fixed = parser.group("run")
     add("-e", "--experiment-name", required=True, help="writes SAVE_DIR/NAME")
     add("--save-dir", default="outputs")
@@ -677,6 +674,9 @@ def get_parser():
     add("--wandb-project", default=os.environ.get("WANDB_PROJECT", "train-llm"))
     add("--sample-prompt", help="continued at each validation")
     add("--sample-tokens", type=at_least(0), default=32, help="0: no sample")
+    add("--eval-tasks", type=trained.task_names, help="kit_cloze,kit_bpb or lm-eval's")
+    add("--eval-freq", type=at_least(1), help="a multiple of --val-freq (default: it)")
+    add("--eval-limit", type=at_least(1), help="documents per task (default: all)")
     add("--profile-steps", type=utils.step_range, metavar="A:B", help="torch.profiler trace")
 
     add, fixed = parser.group("distributed (under torchrun)")

@@ -1,17 +1,25 @@
 """A trained model, for the scripts (generate.py, export_hf.py, evaluate.py) and train_llm.py's
---init-from and samples: load_trained reads what a user calls "my model" (a run, a checkpoint,
-a Hugging Face directory or Hub name), rebuilt by the create_model of the script that trained
-it (rebuild_model); generate samples from it, its prompt laid out as it was trained
-(prompt_format). Like utils.py it never imports the script."""
+--init-from, samples and scores: load_trained reads what a user calls "my model" (a run, a
+checkpoint, a Hugging Face directory or Hub name), rebuilt by the create_model of the script
+that trained it (rebuild_model); generate samples from it, its prompt laid out as it was trained
+(prompt_format); score scores it with lm-evaluation-harness (evaluate.py, and --eval-tasks
+during training: eval_metrics). Like utils.py it never imports the script."""
 
+import argparse
+import contextlib
+import copy
 import errno
+import functools
 import importlib.util
+import io
 import itertools
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -212,18 +220,20 @@ SAMPLE_TEXT, SAMPLE_QUESTION = "The", "What does the function os.path.join do?"
 
 
 @torch.no_grad()
-def sample(model, tokenizer, args, ctx, prompt_format):
-    """A continuation of --sample-prompt at validation, to see the model learn to write: the
-    same seed each time, so only the weights change it (generate's RNG is its own: training is
-    not disturbed). Eager even under --compile: each new length would compile the model again.
-    Under FSDP every forward is a collective: all ranks generate the full length."""
+def sample(model, tokenizer, args, ctx, config):
+    """A continuation of --sample-prompt at validation, to see the model learn to write (laid
+    out as the run's ``config`` says: prompt_format): the same seed each time, so only the
+    weights change it (generate's RNG is its own: training is not disturbed). Eager even under
+    --compile: each new length would compile the model again. Under FSDP every forward is a
+    collective: all ranks generate the full length."""
+    layout = prompt_format(config)
     text = args.sample_prompt if args.sample_prompt is not None else (
-        SAMPLE_QUESTION if prompt_format else SAMPLE_TEXT)
+        SAMPLE_QUESTION if layout else SAMPLE_TEXT)
     model.eval()
     with ctx.autocast(), torch.compiler.set_stance("force_eager"):
         out = generate(utils.unwrap(model), tokenizer, text,
                        max_new_tokens=args.sample_tokens, seed=args.seed,
-                       fixed_length=args.fsdp, prompt_format=prompt_format)
+                       fixed_length=args.fsdp, prompt_format=layout)
     model.train()
     return out
 
@@ -277,3 +287,186 @@ def generate(model, tokenizer, text, *, max_new_tokens, temperature=0.8, top_k=5
                              pad_token_id=tokenizer.eos_token_id,
                              remove_invalid_values=True)  # broken weights: nonsense, no crash
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+# --- Scores: lm-evaluation-harness (scripts/evaluate.py; --eval-tasks while training) -----------
+
+EVAL_TASKS = utils.KIT / "assets/eval"  # kit_NAME.yaml: the kit's offline tasks (DESIGN.md 12)
+EVAL_BATCH_SIZE = 8  # evaluate.py's default --batch-size, and --eval-tasks': batched alike
+
+
+def task_names(text):
+    """An argparse type (--eval-tasks; evaluate.py's --tasks): the comma-separated names of the
+    kit's offline tasks (kit_cloze, kit_bpb: EVAL_TASKS) or lm-eval's, as a list. A name that is
+    neither is refused before anything starts (lm-eval's own names: its index, once, ~15 s)."""
+    names = [name for name in text.split(",") if name]
+    if not names:
+        raise argparse.ArgumentTypeError(
+            "names no task: pass the kit's (kit_cloze, kit_bpb) or lm-eval's")
+    others = [name for name in names if not (EVAL_TASKS / f"{name}.yaml").is_file()]
+    unknown = [name for name in others if name not in task_manager(True).all_tasks]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"no task is named {', '.join(unknown)}. The kit ships kit_cloze and kit_bpb; "
+            "`lm_eval --tasks list` lists lm-eval's.")
+    return names
+
+
+@functools.cache
+def task_manager(lm_eval_tasks):
+    """lm-eval's index of tasks, made once: with its own (``lm_eval_tasks``, ~15 s) or none
+    (the kit's tasks go to lm-eval as their configs: task_configs)."""
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_defaults=lm_eval_tasks)
+
+
+def task_configs(names):
+    """Each name as lm_eval takes it: a shipped task as its config (its data file made
+    absolute, so that any directory works), any other as its name."""
+    import yaml
+    tasks = []
+    for name in names:
+        path = EVAL_TASKS / f"{name}.yaml"
+        if not path.is_file():
+            tasks.append(name)
+            continue
+        config = yaml.safe_load(path.read_text())
+        files = config["dataset_kwargs"]["data_files"]
+        config["dataset_kwargs"]["data_files"] = {k: str(utils.KIT / v) for k, v in files.items()}
+        tasks.append(config)
+    return tasks
+
+
+@functools.cache
+def kit_lm():
+    """The class KitLM, made at the first score (lm-eval takes seconds to import)."""
+    from lm_eval.models.huggingface import HFLM
+
+    class KitLM(HFLM):
+        """lm-eval's transformers model, with BOS before each context of a choice, as training
+        put one before every document and instruction (data.EnsureBosEos, FormatInstructions);
+        not for a chat template, which places its own. (Whole documents get it from lm-eval.)"""
+
+        def __init__(self, *args, bos_first=True, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.bos_first = bos_first
+
+        def _encode_pair(self, context, continuation):
+            context_enc, continuation_enc = super()._encode_pair(context, continuation)
+            bos = self.tokenizer.bos_token_id
+            if self.bos_first and bos is not None and context_enc[:1] != [bos]:
+                context_enc = [bos] + context_enc
+            return context_enc, continuation_enc
+
+    return KitLM
+
+
+def laid_out(tokenizer, layout):
+    """A --task sft model's prompts as it was trained on them (prompt_format): through
+    lm-eval's chat-template path, with its tokenizer's chat template ("chat") or the kit's
+    instruction template written as one ("instruction"). Returns whether to take that path."""
+    if layout == "instruction":
+        prompt = data.PROMPT.format(preamble=data.PREAMBLE, instruction="{{ message['content'] }}")
+        tokenizer.chat_template = ("{% for message in messages %}{% if message['role'] == 'user' "
+                                   "%}" + prompt + "{% endif %}{% endfor %}")
+    return layout is not None
+
+
+def scores(results):
+    """{task: {metric: value}} of lm_eval's results, its ",none" filter suffix dropped; each
+    score's standard error beside it as METRIC_stderr (a difference of less than about two
+    of them between two runs is noise), the per-token and per-byte ones' from ratio_stderr."""
+    table = {task: {k.removesuffix(",none"): v for k, v in metrics.items()
+                    if "," in k and isinstance(v, (int, float))}
+             for task, metrics in results["results"].items()}
+    for task, samples in results.get("samples", {}).items():
+        for metric, error in RATIO_STDERR.items():
+            pairs = [sample[metric] for sample in samples if metric in sample]
+            if metric in table.get(task, {}) and f"{metric}_stderr" not in table[task] \
+                    and len(pairs) > 1:
+                table[task][f"{metric}_stderr"] = error(table[task][metric], ratio_stderr(pairs))
+    return table
+
+
+def ratio_stderr(pairs):
+    """The standard error of sum(-log-likelihood) / sum(units) over documents ((log-likelihood,
+    units) pairs: tokens, bytes, words), a ratio of two means: the delta method's."""
+    y, x = [-ll for ll, _ in pairs], [units for _, units in pairs]
+    n, ratio = len(pairs), sum(y) / sum(x)
+    spread = sum((a - ratio * b) ** 2 for a, b in zip(y, x)) / (n - 1)
+    return math.sqrt(spread / n) / (sum(x) / n)
+
+
+# lm-eval's scores of whole documents (a ratio over them) that it gives no standard error:
+# from ratio_stderr's, in nats per unit (bits per byte: / ln 2; a perplexity exp(r): its x).
+RATIO_STDERR = {"bits_per_byte": lambda score, se: se / math.log(2),
+                "byte_perplexity": lambda score, se: score * se,
+                "word_perplexity": lambda score, se: score * se}
+
+
+def score(model, tokenizer, tasks, *, limit=None, batch_size=EVAL_BATCH_SIZE, prompt_format=None):
+    """lm-evaluation-harness's scores of ``model`` (a transformers model, on its device; left in
+    eval mode) on ``tasks`` (task_configs'), at most ``limit`` documents each, a --task sft
+    model's prompts laid out as it was trained (``prompt_format``): scores(), or {} under torchrun
+    but on each node's first rank. evaluate.py scores a checkpoint so, and a run with
+    --eval-tasks its model as it trains (eval_metrics)."""
+    from lm_eval import simple_evaluate
+    from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
+    tokenizer = copy.deepcopy(tokenizer)  # (set up for lm-eval here: the caller's stays)
+    chat = laid_out(tokenizer, prompt_format)
+    if any(hasattr(model.config, a) for a in ("n_positions", "max_position_embeddings", "n_ctx")):
+        # lm-eval cuts documents into windows of the model's positions after encoding them
+        # whole: the tokenizer's own limit would warn of indexing errors that never happen.
+        tokenizer.model_max_length = VERY_LARGE_INTEGER
+    lm = kit_lm()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
+                  bos_first=prompt_format != "chat")
+    lm_eval_tasks = any(isinstance(task, str) for task in tasks)  # (not only the kit's)
+    results = simple_evaluate(model=lm, tasks=tasks, limit=limit, apply_chat_template=chat,
+                              task_manager=task_manager(lm_eval_tasks))
+    return scores(results) if results is not None else {}  # (lm-eval's: on local rank 0 only)
+
+
+def eval_metrics(model, tokenizer, args, ctx, state):
+    """train_llm.py's --eval-tasks, at a validation: every --eval-freq steps (default: at each
+    validation) and at the last step, the model's scores as score() gives them, as evaluate.py
+    gives them for this step's checkpoint: eval/TASK/METRIC, eval/TASK/METRIC_stderr and
+    time/eval_s; {} at other steps. Every rank scores, the same (FSDP's forwards are
+    collectives, and a rank that waited minutes for rank 0 would pass --dist-timeout); rank 0
+    logs. Training is left as it was: the RNGs that lm-eval seeds put back (a run with scores
+    takes the same steps as one without), the model back in train mode, lm-eval's output kept
+    off the console (quietly). A failure (a task's download) is a warning: training goes on."""
+    step = state["global_step"]
+    due = args.eval_freq is None or step % args.eval_freq == 0
+    if not args.eval_tasks or not (due or step == args.max_steps or state.get("data_exhausted")):
+        return {}
+    start, rng = time.perf_counter(), utils.rng_state(ctx.device)
+    try:  # eager even under --compile: each new length would compile the model again
+        with quietly(), torch.compiler.set_stance("force_eager"):
+            table = score(utils.unwrap(model), tokenizer, task_configs(args.eval_tasks),
+                          limit=args.eval_limit, prompt_format=prompt_format(state["config"]))
+    except Exception as e:  # (not worth a run: the checkpoints can be scored later)
+        utils.LOGGER.warning(f"--eval-tasks: step {step} was not scored, training goes on "
+                             f"(evaluate.py scores its checkpoints): {utils.first_line(e)}")
+        return {}
+    finally:
+        utils.set_rng_state(rng)
+        model.train()
+    return {**{f"eval/{task}/{metric}": value for task, metrics in table.items()
+               for metric, value in metrics.items()}, "time/eval_s": time.perf_counter() - start}
+
+
+@contextlib.contextmanager
+def quietly():
+    """lm-eval's output kept off a training run's console and progress bar: its log (and that
+    of datasets, which it reads with) below errors, its progress bars and prints (sys.stderr,
+    sys.stdout: the run's own log and bar hold the streams they were made with)."""
+    loggers = [logging.getLogger(name) for name in ("lm_eval", "datasets")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -211,6 +211,11 @@ def check_args(parser, args, local_paths, shipped):
     if getattr(args, "profile_steps", None) and args.profile_steps[1] > args.max_steps:
         parser.error(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]} ends "
                      f"after --max-steps {args.max_steps}: those steps never run")
+    if getattr(args, "eval_freq", None) and args.eval_freq % args.val_freq:
+        parser.error(f"--eval-freq {args.eval_freq} must be a multiple of --val-freq "
+                     f"{args.val_freq}: the scores are taken at validations")
+    if not getattr(args, "eval_tasks", True) and (args.eval_freq or args.eval_limit):
+        parser.error("--eval-freq and --eval-limit go with --eval-tasks, which names the tasks")
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}: the schedule decays "
                      "from --lr down to --min-lr")
@@ -612,9 +617,8 @@ class MetricsLog:
                                   desc="train", disable=rank != 0, mininterval=0.5)
 
     def write_steps(self, steps, domains, state):
-        """Each step read ([(numbers, metrics)]: its numbers summed over the ranks) as its line:
-        every number of the step but "stop" (a new one is logged as it is), each domain's loss
-        and tokens so far; ``state`` keeps the tokens, and the losses for the mixer."""
+        """Each step read ([(numbers, metrics)]) as its line: every number but "stop", each
+        domain's loss and tokens so far (kept in ``state``, with the losses for the mixer)."""
         for numbers, metrics in steps:
             scalars = {k: v for k, v in numbers.items()
                        if k != "stop" and not k.startswith("domain_")}
@@ -709,9 +713,8 @@ def done_message(state, run_dir):
 
 
 def stop_on_signals(stop):
-    """From here on SIGTERM (preemption, scancel, docker stop) and Ctrl-C set ``stop``, and
-    nothing else: the loop ends its step, saves and exits 0 (DESIGN.md section 7). A second
-    signal takes its default action: it kills at once."""
+    """From here on SIGTERM (preemption, scancel) and Ctrl-C set ``stop``, and nothing else: the
+    loop ends its step, saves, exits 0 (DESIGN.md 7). A second signal kills at once."""
     def handler(signum, frame):
         stop.set()
         signal.signal(signum, signal.SIG_DFL)
@@ -756,9 +759,8 @@ def diverged(step, numbers, last):
 
 
 def cli(main):
-    """Run ``main``: a failure the user can mend ends in one paragraph (expected_failure), a
-    bug keeps its traceback, and train.log gets both. A start that fails before training
-    leaves no run directory that was not there before."""
+    """Run ``main``: a failure the user can mend ends in one paragraph, a bug in a traceback
+    (train.log gets both); a start that fails before training leaves no new run directory."""
     try:
         main()
     except SystemExit as e:  # a refusal (its paragraph) or a plain exit
@@ -934,15 +936,16 @@ def format_metrics(m):
         spent = "".join(f" | {k[5:-2]} {v:.2f} s" for k, v in m.items() if k[:5] == "time/" and v)
         line += (f" | {m['tokens_per_s']:,.0f} tok/s | data wait {m['data_wait']:.1%}{spent}"
                  f" | MFU {mfu} | {memory}")
+    line += "".join(f" | {k[5:]} {v:.4g}" for k, v in m.items()
+                    if k[:5] == "eval/" and not k.endswith("_stderr"))
     if "sample" in m:
         line += f" | sample {m['sample']!r}"
     return line
 
 
 def flops_per_token(model, seq_length):
-    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, appendix B), N
-    without the input embedding (a lookup) unless the output layer shares it; attention's
-    scores and sum over L layers, H heads of size Q, T tokens. No transformers config: 6N."""
+    """Training FLOPs per token: 6N + 12·L·H·Q·T (PaLM, appendix B; N without an untied input
+    embedding; L layers, H heads of size Q, T tokens). No transformers config: 6N."""
     n = sum(p.numel() for p in model.parameters())
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
@@ -1006,9 +1009,8 @@ class Profiler(contextlib.AbstractContextManager):
 
 
 class StepNumbers:
-    """Each step's numbers ({name: tensor}), summed over the ranks on the device and copied to
-    the host behind the step's queued work, are read a step later, when the GPU is long done:
-    an ordinary step never waits for it (DESIGN.md section 7); a save reads its own step's."""
+    """Each step's numbers ({name: tensor}), summed over the ranks on the device, copied to the
+    host behind its work and read a step later: no wait for the GPU (DESIGN.md section 7)."""
 
     def __init__(self, ctx):
         self.world_size, self.device, self.queue = ctx.world_size, ctx.device, []

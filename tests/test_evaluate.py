@@ -2,7 +2,6 @@
 (assets/eval), the same from the run directory as from its hf/ export, and a run's or
 checkpoint's scores go into the run's eval.jsonl with their step."""
 
-import importlib.util
 import json
 import math
 import random
@@ -17,7 +16,6 @@ from helpers import (
     ROOT,
     copy_run,
     script,
-    script_module,
     train,
     train_args,
     wandb_history,
@@ -25,6 +23,7 @@ from helpers import (
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import data
+import trained
 
 
 def table(out, stderr=False):
@@ -59,7 +58,6 @@ def test_bits_per_byte_has_a_standard_error_over_documents():
     words), which lm-eval gives no standard error, get a finite one: with documents of equal
     length, the sd of the per-document bits per byte over sqrt(n); with unequal ones, about
     the sd of a bootstrap over the documents."""
-    evaluate = script_module("evaluate")
     rng = random.Random(0)
 
     def document(equal):  # (log-likelihood, bytes)
@@ -74,7 +72,7 @@ def test_bits_per_byte_has_a_standard_error_over_documents():
                                            "byte_perplexity,none": 2 ** bpb}},
                    "samples": {"kit_bpb": [{"doc_id": i, "bits_per_byte": p,
                                             "byte_perplexity": p} for i, p in enumerate(pairs)]}}
-        table = evaluate.scores(results)["kit_bpb"]
+        table = trained.scores(results)["kit_bpb"]
         error = table["bits_per_byte_stderr"]
         assert math.isfinite(error) and error > 0
         assert table["byte_perplexity_stderr"] == pytest.approx(
@@ -107,13 +105,9 @@ def test_tasks_that_do_not_exist_are_refused_by_name_before_the_model_loads(
 def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
     """The kit's instruction template, given to lm-eval as a chat template, lays a prompt out
     exactly as FormatInstructions trained it (and as generate.py prompts), text taken as is."""
-    spec = importlib.util.spec_from_file_location("evaluate_script",
-                                                  ROOT / "scripts/evaluate.py")
-    evaluate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(evaluate)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
-    assert not evaluate.laid_out(tokenizer, None, data)
-    assert evaluate.laid_out(tokenizer, "instruction", data)
+    assert not trained.laid_out(tokenizer, None)
+    assert trained.laid_out(tokenizer, "instruction")
     for text in ("Name three colors.", "a {{ jinja }} {% if %} 'quoted' \\n line\nbreak"):
         assert tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False,
@@ -124,8 +118,8 @@ def test_an_instruction_tuned_model_is_scored_in_the_layout_it_was_trained_on():
     bos = tokenizer.bos_token_id
     for bos_first, text in ((True, "The river"), (True, tokenizer.bos_token + "The river"),
                             (False, "The river")):
-        lm = evaluate.KitLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu",
-                            bos_first=bos_first)
+        lm = trained.kit_lm()(pretrained=model, tokenizer=tokenizer, batch_size=1,
+                              bos_first=bos_first)
         context, _ = lm._encode_pair(text, " runs")
         assert context[:2].count(bos) == bos_first, (bos_first, text)
 

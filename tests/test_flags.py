@@ -60,6 +60,9 @@ def test_counts_and_mix_weights_are_checked_by_the_parser(argv, words, capsys):
     (["--profile-steps", "5:3"], "with 1 <= A <= B"),
     (["--profile-steps", "2.5:3"], "expected A:B"),
     (["--profile-steps", "5:8", "--max-steps", "6"], "5:8 ends after --max-steps 6"),
+    (["--eval-tasks", ","], "--eval-tasks: names no task"),
+    (["--eval-tasks", "kit_cloze", "--eval-freq", "300"], "must be a multiple of --val-freq 200"),
+    (["--eval-limit", "5"], "--eval-freq and --eval-limit go with --eval-tasks"),
 ])
 def test_flags_are_checked_when_parsed(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
