@@ -123,12 +123,13 @@ def torch_device(text):
         value = torch.device(text)
     except RuntimeError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({e})") from e
-    if value.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA GPU that torch "
-                                         "can use; leave --device out to run on the CPU")
-    if value.type == "cuda" and (value.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text}: there are only {torch.cuda.device_count()} "
-                                         "GPU(s)")
+    gpus = torch.cuda.device_count() if value.type == "cuda" else 0
+    if value.type == "cuda" and (value.index or 0) >= gpus:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {gpus or 'no'} CUDA GPU(s) "
+                                         "that torch can use; leave --device out to run on the CPU")
+    if value.type == "meta" or value.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: torch cannot train there on this machine; "
+                                         "leave --device out to train on a GPU or the CPU")
     return text
 
 
@@ -1786,14 +1787,13 @@ def run_state(exp_dir, resume_from=None):
 
 
 def discard_after(exp_dir, step, run_id=None):
-    """Forget what a killed run did after the checkpoint we resume from (``step``): steps it
-    logged past it, newer or half-finished checkpoints of this run (``run_id``) alone."""
+    """Forget what a killed run did after ``step``: its log lines, this run's later checkpoints."""
     for dir_step, path in _step_dirs(exp_dir).items():
         if dir_step > step and saved_by(path)[0] == run_id:
             shutil.rmtree(path)
-    for debris in [*(exp_dir / "checkpoints").glob("*.tmp"),
-                   *(exp_dir / "checkpoints").glob("*.deleted")]:
-        shutil.rmtree(debris, ignore_errors=True)  # (a deletion may still be under way)
+    for debris in (exp_dir / "checkpoints").glob("step-*"):  # the kit's own debris alone
+        if re.fullmatch(r"step-\d{6,}\.(tmp|deleted)", debris.name):
+            shutil.rmtree(debris, ignore_errors=True)  # (a deletion may still be under way)
     metrics = exp_dir / "metrics.jsonl"
     if metrics.exists():  # (a note a user added stays)
         write_atomic(metrics, "".join(line + "\n" for line, record in metric_lines(metrics)

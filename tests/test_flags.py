@@ -123,6 +123,14 @@ def test_a_gpu_device_without_a_gpu_is_refused_when_parsed(capsys):
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["meta", pytest.param("mps", marks=pytest.mark.skipif(
+    torch.backends.mps.is_available(), reason="this machine has MPS"))])
+def test_a_device_torch_cannot_train_on_here_is_refused_when_parsed(device, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_llm.parse_args(["-e", "x", "--device", device])
+    assert exit_.value.code == 2 and "torch cannot train there" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--max-new-tokens", "0"], "--max-new-tokens: must be at least 1"),
     (["--max-new-tokens=-5"], "--max-new-tokens: must be at least 1"),

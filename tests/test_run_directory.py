@@ -301,3 +301,17 @@ def test_what_wandb_holds_counts_a_segment_that_started_in_the_same_second(tmp_p
     run = types.SimpleNamespace(offline=True, id="abc",
                                 dir=str(tmp_path / "wandb/offline-run-20260101_000000-abc/files"))
     assert utils.wandb_holds(run, tmp_path) == 3
+
+
+def test_a_resume_removes_the_kits_own_debris_and_nothing_of_the_users(tmp_path):
+    """A killed save's step-NNNNNN.tmp and a deletion's step-NNNNNN.deleted go at a resume; a
+    user's best.tmp, keep.deleted or step-12.tmp in checkpoints/ stay, with their files."""
+    root = tmp_path / "checkpoints"
+    kits = [root / "step-000012.tmp", root / "step-000004.deleted", root / "step-1234567.tmp"]
+    users = [root / "best.tmp", root / "keep.deleted", root / "step-12.tmp", root / "x.tmp"]
+    for folder in kits + users:
+        folder.mkdir(parents=True)
+        (folder / "model.pt").write_bytes(b"x")
+    utils.discard_after(tmp_path, 10)
+    assert not any(folder.exists() for folder in kits)
+    assert all((folder / "model.pt").read_bytes() == b"x" for folder in users)
