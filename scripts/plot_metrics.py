@@ -164,6 +164,21 @@ def markdown(table):
     return "\n".join(lines) + "\n"
 
 
+MARK = "train_llm plot_metrics.py"  # a PNG's Software: an image this script may replace
+
+
+def ours(path, default):
+    """Whether ``path`` is an image this script wrote (its mark, or at the default
+    RUN/metrics.png any Matplotlib PNG, which an unmarked image of the script is): else kept."""
+    from PIL import Image
+    try:
+        with Image.open(path) as image:
+            software = image.info.get("Software", "")
+    except (OSError, ValueError):
+        return False
+    return software == MARK or default and software.startswith("Matplotlib")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("exp_dirs", type=Path, nargs="+",
@@ -177,9 +192,15 @@ def main():
         parser.error("several runs: pass --out, the image to write (say compare.png)")
     if len({exp_dir.name for exp_dir in args.exp_dirs}) < len(args.exp_dirs):
         parser.error("two runs of one name: pass directories whose names differ")
-    groups = group_runs(args.exp_dirs)
     out = args.out or args.exp_dirs[0] / "metrics.png"
-    figure(groups).savefig(out, dpi=120)
+    out = out if out.suffix else out.with_suffix(".png")  # (what savefig would write)
+    if out.suffix.lower() != ".png":
+        parser.error(f"--out {out}: the image is a PNG; name it NAME.png")
+    if out.exists() and not ours(out, default=args.out is None):
+        parser.error(f"{out} is there and is no image of plot_metrics.py: nothing was replaced; "
+                     "pass another --out")
+    groups = group_runs(args.exp_dirs)
+    figure(groups).savefig(out, dpi=120, metadata={"Software": MARK})
     table = final_table(groups)
     print(markdown(table) + f"(final values: mean ± sd over seeds)\n{out}")
     if args.table and args.table.suffix == ".csv":

@@ -546,3 +546,27 @@ def test_an_export_and_a_loaded_model_generate_with_the_kv_cache(four_steps, tmp
         assert loaded.config.use_cache and loaded.generation_config.use_cache, source
     own = TinyGPT(vocab_size=8)  # no such notion: left as it is
     assert trained.with_cache(own) is own and not hasattr(own, "config")
+
+
+def test_plot_metrics_replaces_only_its_own_images_and_says_what_it_wrote(tmp_path):
+    """A user's fig.png, or a file that is no image, is never replaced (one paragraph, the file
+    unchanged); the script's own image is, at a rerun; --out x writes and names x.png; an --out
+    that is no PNG is refused before any work."""
+    def plot(*flags):
+        return subprocess.run([sys.executable, "scripts/plot_metrics.py", run, *flags], cwd=ROOT,
+                              env=ENV, capture_output=True, text=True, timeout=60)
+
+    run = fake_run(tmp_path / "run")
+    users = tmp_path / "fig.png"
+    plt = pytest.importorskip("matplotlib.pyplot")
+    plt.figure().savefig(users)  # (a Matplotlib PNG of the user's own)
+    before = users.read_bytes()
+    refused(plot("--out", users), "no image of plot_metrics.py", "nothing was replaced")
+    assert users.read_bytes() == before
+    (run / "metrics.png").write_text("my notes")
+    refused(plot(), "no image of plot_metrics.py")
+    assert (run / "metrics.png").read_text() == "my notes"
+    result = plot("--out", tmp_path / "x")
+    assert result.returncode == 0 and str(tmp_path / "x.png") in result.stdout, result.stderr
+    assert plot("--out", tmp_path / "x.png").returncode == 0  # its own: replaced
+    refused(plot("--out", tmp_path / "x.txt"), "the image is a PNG")
