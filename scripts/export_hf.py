@@ -150,6 +150,10 @@ def main():
     run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
     if args.out is None and not run:  # (said before the model is loaded)
         sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
+    if run and args.checkpoint and args.checkpoint.resolve().parent != \
+            (args.run_dir / "checkpoints").resolve():  # (said before the model is loaded)
+        sys.exit(f"--checkpoint {args.checkpoint} is not one of {args.run_dir}'s checkpoints "
+                 f"(those in {args.run_dir / 'checkpoints'}): pass the run it belongs to")
     source = args.checkpoint or args.run_dir
     kit = project.project_kit(source, args.script)  # a copy's own trained.py, if it has one
     model, tokenizer, config, checkpoint = project.load_trained(kit, source, args.script,

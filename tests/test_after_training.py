@@ -570,3 +570,16 @@ def test_plot_metrics_replaces_only_its_own_images_and_says_what_it_wrote(tmp_pa
     assert result.returncode == 0 and str(tmp_path / "x.png") in result.stdout, result.stderr
     assert plot("--out", tmp_path / "x.png").returncode == 0  # its own: replaced
     refused(plot("--out", tmp_path / "x.txt"), "the image is a PNG")
+
+
+def test_an_export_of_a_run_takes_only_that_runs_checkpoints(four_steps, tmp_path, capsys,
+                                                             monkeypatch):
+    """`export_hf.py A --checkpoint B/checkpoints/step-000004`: refused before any work,
+    naming the checkpoint; A's hf/ is not written with B's model."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = copy_run(four_steps, tmp_path / "a"), copy_run(four_steps, tmp_path / "b")
+    shutil.rmtree(a / "hf")
+    with pytest.raises(SystemExit) as exit_:
+        script("export_hf", [a, "--checkpoint", b / "checkpoints/step-000004"], capsys,
+               monkeypatch)
+    assert "is not one of" in str(exit_.value.code) and not (a / "hf").exists()
