@@ -672,7 +672,7 @@ def get_parser():
         default="auto", help="auto: background on a GPU, sync on a CPU")
     add("--wandb", choices=["online", "offline", "disabled"], default="offline")
     add("--wandb-project", default=os.environ.get("WANDB_PROJECT", "train-llm"))
-    add("--sample-prompt", help="continued at each validation")
+    add("--sample-prompt", type=trained.utf8, help="continued at each validation")
     add("--sample-tokens", type=at_least(0), default=32, help="0: no sample")
     add("--eval-tasks", type=trained.task_names, help="kit_cloze,kit_bpb or lm-eval's")
     add("--eval-freq", type=at_least(1), help="a multiple of --val-freq (default: it)")

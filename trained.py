@@ -219,6 +219,17 @@ def prompt_text(tokenizer, text, prompt_format=None):
 SAMPLE_TEXT, SAMPLE_QUESTION = "The", "What does the function os.path.join do?"
 
 
+def utf8(text):
+    """An argparse type: text a tokenizer can take (a byte that is no UTF-8 in the command line
+    reaches Python as a lone surrogate, which no tokenizer encodes): refused as it is parsed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text ({e.reason} at character "
+                                         f"{e.start}): pass it as UTF-8") from None
+    return text
+
+
 @torch.no_grad()
 def sample(model, tokenizer, args, ctx, config):
     """A continuation of --sample-prompt at validation, to see the model learn to write (laid

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import trained  # noqa: E402
 import utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run by path, or by runpy)
@@ -29,7 +30,7 @@ def main():
     transformers.utils.logging.disable_progress_bar()  # no bars for loading tiny files
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", help="run directory, checkpoint directory, HF directory or name")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--prompt", required=True, type=trained.utf8, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=utils.at_least(1), default=50,
                         help="tokens to generate")
     parser.add_argument("--temperature", type=utils.finite(0), default=0.8,

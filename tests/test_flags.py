@@ -38,6 +38,7 @@ def test_counts_and_mix_weights_are_checked_by_the_parser(argv, words, capsys):
     (["--min-lr", "inf"], "--min-lr: must be a finite number >= 0"),
     (["--lr", "1e-3", "--min-lr", "2e-3"], "--min-lr 0.002 is above --lr 0.001"),
     (["--device", "nonsense"], "is not a torch device"),
+    (["--sample-prompt", "caf\udce9"], "--sample-prompt: 'caf\\udce9' is not UTF-8 text"),
     (["--global-batch-size", "10", "-b", "4"], "must be a multiple of world size x --batch-size"),
     (["--global-batch-size", "8", "-b", "4", "--grad-accum", "3"], "= 2); pass one of the two"),
     (["--global-batch-size", "8", "-b", "2", "--grad-accum", "3"],
@@ -138,6 +139,7 @@ def test_a_device_torch_cannot_train_on_here_is_refused_when_parsed(device, caps
     (["--temperature=-1"], "--temperature: must be a finite number >= 0"),
     (["--temperature", "nan"], "--temperature: must be a finite number >= 0"),
     (["--device", "nonsense"], "is not a torch device"),
+    (["--prompt", "caf\udce9"], "is not UTF-8 text"),  # (a non-UTF-8 byte in the command)
     pytest.param(["--device", "cuda"], "leave --device out to run on the CPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ])
