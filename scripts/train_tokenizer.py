@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
+import utils  # noqa: E402
 
 EOS = "<|endoftext|>"  # GPT-2's single document separator, also used as bos
 PAD = "<|pad|>"        # a separate pad token, so padding is never confused with eos
@@ -68,8 +69,10 @@ def main():
                     help="training text: shards, globs, {a,b} patterns or directories")
     ap.add_argument("--out", type=Path, default=Path("outputs/tokenizer"))
     ap.add_argument("--config-out", type=Path, default=Path("outputs/tiny-gpt2"))
-    ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--max-length", type=int, default=512, help="model_max_length = n_positions")
+    ap.add_argument("--vocab-size", type=utils.at_least(258), default=8192,
+                    help="at least the 256 bytes and the 2 special tokens")
+    ap.add_argument("--max-length", type=utils.at_least(2), default=512,
+                    help="model_max_length = n_positions")
     ap.add_argument("--overwrite", action="store_true",
                     help="write over the files of --out and --config-out (the shipped assets/)")
     args = ap.parse_args()
@@ -82,6 +85,9 @@ def main():
     # Sorted so the training stream, hence the merges, is the same every run.
     try:
         files = sorted(data.expand_urls(args.data))
+        if not any(text.strip() for text in iter_texts(files)):  # (stops at the first text)
+            sys.exit(f"--data {args.data}: its records hold no text to learn from: nothing "
+                     "written.")
         tok = train_tokenizer(files, args.vocab_size)
     except (OSError, ValueError) as e:  # no such files, a bad record: one paragraph
         sys.exit(f"--data {args.data}: {e}")

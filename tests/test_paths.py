@@ -160,3 +160,24 @@ def test_the_export_hint_of_a_run_in_a_path_with_spaces_is_a_command_that_works(
     assert result.returncode == 0, result.stderr
     hint = result.stderr.split("For transformers: ")[1].splitlines()[0]
     assert shlex.split(hint) == ["python", "scripts/export_hf.py", str(save_dir / "it's")]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--vocab-size=-1"], "--vocab-size: must be at least 258"),
+    (["--max-length", "0"], "--max-length: must be at least 2"),
+    (["--data", "EMPTY"], "hold no text to learn from"),
+    (["--data", "BLANK"], "hold no text to learn from"),
+])
+def test_train_tokenizer_refuses_what_cannot_make_a_tokenizer_and_writes_nothing(
+        argv, words, tmp_path, capsys, monkeypatch):
+    """A vocabulary or length that cannot work, an empty file, records of empty text: one
+    paragraph naming it, and no tokenizer left for a rerun to refuse."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    argv = [str(tmp_path / "empty.jsonl") if a == "EMPTY" else
+            str(tmp_path / "blank.jsonl") if a == "BLANK" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        script("train_tokenizer", [*argv, "--out", tmp_path / "tok", "--config-out",
+                                   tmp_path / "cfg"], capsys, monkeypatch)
+    assert words in str(exit_.value.code) + capsys.readouterr().err
+    assert not (tmp_path / "tok").exists() and not (tmp_path / "cfg").exists()
