@@ -52,8 +52,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # --- The stage protocol (DESIGN.md section 2) -----------------------------------------------------
 
 class Stage:
-    """What every stage shares: iteration, close(), a stateless default, the config check
-    (DESIGN.md section 2, rules 5-7)."""
+    """What every stage shares: iteration, close(), no state, the config check (DESIGN.md 2)."""
 
     src = None
     config = {}
@@ -860,8 +859,7 @@ def _read_cbor(slot, open_shard):
 
 
 # -- Token files: nanoGPT's raw ids, llm.c's shards, .npy (DESIGN.md section 10) --------------
-# (magic, version) of llm.c's 256 x int32 header -> the type of the ids after it.
-LLMC_HEADERS = {(20240520, 1): np.uint16, (20240801, 7): np.uint32}
+LLMC_HEADERS = {(20240520, 1): np.uint16, (20240801, 7): np.uint32}  # llm.c's (magic, version)
 MAX_DOC_TOKENS = 1 << 24  # ids without an EOS that still make one document
 
 
@@ -1878,6 +1876,8 @@ class Prefetch(Stage):
     def state_dict(self):
         if not self._taken:  # (this process's copy never runs: its state is the start's)
             return self._state(upstream=self.src.state_dict())
+        if self.until is not None and self.until.is_set():  # a signal: a read may hang now,
+            os.kill(self._pid, signal.SIGUSR1)  # and the child drops it to answer at once
         self._follow()
         return self._state(upstream=self._ask(("state", self._taken - 1), "state")[1])
 

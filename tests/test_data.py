@@ -614,3 +614,28 @@ def test_a_stages_own_counter_reaches_the_loop_with_each_item():
     assert [x for x, _ in taken] == [1, 2, 4, 5, 7, 8]
     assert [c["dropped"] for _, c in taken] == [1, 1, 2, 2, 3, 3]  # 0, 3, 6 dropped so far
     assert all(c["skipped"] == 0 for _, c in taken)
+
+
+def test_a_save_after_a_signal_does_not_wait_for_a_hung_read():
+    """``until`` set while the trainer still holds items and the child's read of the next one
+    hangs: state_dict() answers at once (the child drops the read), and its state resumes
+    at the first item not taken."""
+    def hang(x):
+        if x == 3:
+            threading.Event().wait()  # (in the child: until it is killed)
+        return x
+
+    until = threading.Event()
+    p = Prefetch(Map(Sequence(range(20)), hang), 3, until=until)
+    assert [next(p), next(p)] == [0, 1]  # (2 is made; 3 hangs)
+    until.set()
+    saved = []
+    saving = threading.Thread(target=lambda: saved.append(p.state_dict()), daemon=True)
+    saving.start()
+    saving.join(timeout=60)  # (a bound on a failure, not a wait for success)
+    p.close()
+    assert saved, "state_dict() waited for the hung read"
+    resumed = Prefetch(Map(Sequence(range(20)), int), 3)
+    resumed.load_state_dict(saved[0])
+    assert next(resumed) == 2
+    resumed.close()
