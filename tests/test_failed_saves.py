@@ -112,8 +112,9 @@ def test_a_crash_inside_a_background_save_then_the_rerun_is_bit_identical(tmp_pa
     result = train(train_args(tmp_path, tiny_model, **CRASH_FLAGS))
     assert result.returncode == 0, result.stderr
     assert f"Resuming {tmp_path / 'run'} from checkpoints/step-000004" in result.stderr
-    final, again = (torch.load(tmp_path / name / "checkpoints/step-000006/model.pt",
-                               weights_only=True) for name in ("straight", "run"))
+    def weights(name):
+        return torch.load(tmp_path / name / "checkpoints/step-000006/model.pt", weights_only=True)
+    final, again = weights("straight"), weights("run")
     assert all(torch.equal(final[k], again[k]) for k in final)
 
 
