@@ -1766,6 +1766,7 @@ class Prefetch(Stage):
         self.pin_memory, self.follow, self.every = pin_memory, follow, every
         self._conn = self._pid = self._end = None
         self._ready, self._taken, self._followed, self.counters = collections.deque(), 0, 0, {}
+        self._stopped = 0  # (seconds the child was seen stopped while waited for)
         self._got, self._ring = bytearray(), {}  # (bytes read ahead: _recv; pinned: _own)
         self._copied = torch.cuda.Event() if pin_memory else None
 
@@ -1793,9 +1794,8 @@ class Prefetch(Stage):
             while kind and (reply := self._recv())[0] != kind:
                 self._ready.append(reply)
             return reply if kind else None
-        except (EOFError, OSError):
-            raise ChildProcessError(f"data.Prefetch's process ({self._pid}) ended (the kernel "
-                                    "kills the largest process when memory runs out)") from None
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise ChildProcessError(self._ended()) from None
 
     def _follow(self):
         """At a step's end: the mixer as learn_late left it, for the child's next draws."""
@@ -1854,7 +1854,7 @@ class Prefetch(Stage):
 
     def _item(self):
         """The child's next item, or StopIteration once ``until`` is set and it is late."""
-        while self.until is not None and not self._got and not self._conn.poll(1):
+        while self.until is not None and not self._got and not self._poll():
             if self.until.is_set():  # (a signal while a read hangs: the run saves and ends)
                 os.kill(self._pid, signal.SIGUSR1)  # the child then only answers "state"
                 self._taken -= self._taken % self.every
@@ -1862,9 +1862,35 @@ class Prefetch(Stage):
                 raise self._end
         return self._ask(None, "item")
 
+    def _ended(self):
+        """Why the child ended, reaped here (its pid is no longer this stage's to kill)."""
+        self._stop.detach()
+        status = os.waitpid(self._pid, 0)[1]  # (its pipe closed as it exited)
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        why = {signal.SIGKILL: " (the kernel's out-of-memory killer, or a kill -9)",
+               signal.SIGABRT: " (a library's fatal error: tokenizers' when memory runs out)"}
+        how = f"was killed by {signal.Signals(sig).name}{why.get(sig, '')}" if sig else \
+            f"exited ({os.waitstatus_to_exitcode(status)})"
+        return f"data.Prefetch's process ({self._pid}), which reads the data ahead, {how}"
+
+    def _poll(self):
+        """Whether the child's next message waits, after a second at most; a child stopped for
+        3 s (SIGSTOP, a debugger) is an error, not a hang (Linux's /proc tells)."""
+        if self._conn.poll(1):
+            return True
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{self._pid}/stat").read_text()
+            self._stopped = (self._stopped + 1) * (stat[stat.rindex(")") + 2] in "Tt")
+        if self._stopped >= 3:
+            raise ChildProcessError(f"data.Prefetch's process ({self._pid}), which reads the "
+                                    "data ahead, is stopped (SIGSTOP, or a debugger)")
+        return False
+
     def _recv(self):
         """The child's next message; a read takes in all that wait (send_bytes: length, bytes)."""
         while len(self._got) < 4 or len(self._got) < 4 + int.from_bytes(self._got[:4], "big"):
+            while not self._poll():
+                pass
             if not (data := os.read(self._conn.fileno(), 1 << 20)):
                 raise EOFError
             self._got += data
@@ -1957,9 +1983,10 @@ def _serve(conn, src, depth, every, parent, slots):
                     item, error = next(src), None
                 finally:
                     reading[0] = False
-            except KeyboardInterrupt:  # (the pipeline is broken now: its states are left)
-                ended = True
-                continue
+            except KeyboardInterrupt:  # broken now: its states are left (and a stray signal told)
+                item, error, ended = None, ChildProcessError(
+                    f"data.Prefetch's process ({os.getpid()}) got a SIGUSR1 the trainer did not "
+                    "send: it dropped its read of the data, and the pipeline cannot go on"), True
             except Exception as e:  # (StopIteration too) crosses with the child's traceback
                 item, error, ended = None, _portable(e), True
             if not ended:

@@ -113,7 +113,7 @@ def main(build_loader=None):  # (benchmarks/ pass their own)
                 p = mixer.probabilities if mixer else weights or ()
                 stats, lrs = optimizer_step(
                     model, batches, optimizers, schedulers, loss_fn,
-                    len(domains), writer, args, ctx)
+                    len(domains), writer, args, ctx, step == first_step > 1)
                 stats["stop"] = on_device(stop.is_set(), ctx)  # all ranks learn it
                 state["global_step"] = step
                 # The tokens this step took (each rank's alike: DDP steps together).
@@ -431,8 +431,10 @@ def save_checkpoint(run, model, optimizers, schedulers, extra, loader, args, ctx
 # --- The training step -----------------------------------------
 
 def optimizer_step(model, batches, optimizers, schedulers, loss_fn, n_domains, writer,
-                   args, ctx):
+                   args, ctx, resumed=False):
     """Forward and backward, the gradient clipped, the update: the step's numbers, its lrs."""
+    if resumed:  # DDP's buckets as the run had them (bit-identical sums of 3+ ranks)
+        utils.rehearse(model, ctx, lambda: train_step(model, batches, ctx, loss_fn))
     stats = train_step(model, batches, ctx, loss_fn, n_domains)
     with record_function("update"):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)

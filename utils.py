@@ -862,8 +862,7 @@ class Timer:
     def __exit__(self, *exc):
         self.total += time.perf_counter() - self.start
 
-    def pop(self):
-        """Seconds accumulated since the last pop()."""
+    def pop(self):  # the seconds since the last pop()
         total, self.total = self.total, 0.0
         return total
 
@@ -1096,6 +1095,15 @@ def gradient_sync(model, enabled):
     return contextlib.nullcontext()
 
 
+def rehearse(model, ctx, step):
+    """``step()`` (a forward and backward) run and undone where DDP resumes: it lays its buckets out
+    as that backward readies them, and 3+ ranks' sums round by the layout (DESIGN.md 7)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with torch.random.fork_rng([ctx.device] if ctx.device.type == "cuda" else []):
+            step()
+        model.zero_grad(set_to_none=True)
+
+
 def all_ranks(flag, group=None):
     """True on every rank iff ``flag`` is true on every rank: an all-reduce of one number, on
     the CPU (``group``: a gloo one; None, the default group, must be gloo too)."""
@@ -1144,8 +1152,7 @@ def set_collective_timeout(seconds):
 # --- A checkpoint's states besides the model: RNGs, lists of state_dicts -------------------------
 
 def rng_state(device):
-    """Every global RNG state, in types that torch.load(weights_only=True) accepts. On a GPU
-    only this rank's device: reading all of them would touch every GPU from every rank."""
+    """Every global RNG state in types weights_only loads; on a GPU this rank's device's only."""
     version, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),  # a tuple of ints
@@ -1167,8 +1174,7 @@ def set_rng_state(state):
 
 
 def states(objs):
-    """The state_dict() of each of ``objs`` (optimizers, schedules): of one alone, as a plain
-    torch.optim checkpoint holds it; of several, a list."""
+    """The state_dict() of ``objs``: of one alone as torch.optim saves it; of several, a list."""
     return objs[0].state_dict() if len(objs) == 1 else [obj.state_dict() for obj in objs]
 
 
@@ -1192,8 +1198,7 @@ def unwrap(model):
 
 
 def parameter_count(model):
-    """The start line's count: every parameter (all experts of a mixture, frozen weights), and
-    the trained ones where some are frozen (adapters)."""
+    """Every parameter (all experts, frozen ones), and the trained ones where some are frozen."""
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"{total / 1e6:.2f}M parameters" + (
@@ -1209,9 +1214,8 @@ def aux_loss_weight(model):
 
 
 def check_model(model, tokenizer, args, trained=None):
-    """What the tokenizer, --seq-length and the flags need of the model, checked before any
-    training (``trained``: the tokenizer --init-from's run was trained with); a model of your
-    own (create_model) is told what needs transformers."""
+    """What the tokenizer, --seq-length and the flags need of the model, before any training
+    (``trained``: --init-from's tokenizer); a model of your own is told what needs transformers."""
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False  # training never reads a KV cache: none is built
@@ -1242,9 +1246,8 @@ def check_model(model, tokenizer, args, trained=None):
 
 
 def skip_mask_checks(model):
-    """Skip the two reads of the GPU that transformers makes each forward (padding, packing;
-    DESIGN.md section 7): a model on SDPA with a plain causal mask runs that SDPA under a name
-    no mask is made for, and names no pad token. Other models keep their checks."""
+    """Skip transformers' two reads of the GPU each forward (padding, packing; DESIGN.md 7): a
+    model on SDPA with a plain causal mask runs it under a name no mask is made for, no pad."""
     config = getattr(model, "config", None)
     layers = getattr(config, "layer_types", None) or (
         ["sliding_attention"] if getattr(config, "sliding_window", None) else ["full_attention"])
@@ -1272,9 +1275,8 @@ def packed_mask(model, positions, device):
 
 
 def _local(value):
-    """The absolute path or pattern of local files that ``value`` names, else None. A pattern's
-    leading directories that exist are escaped: in a kit cloned into kit[1]/, the shipped
-    kit[1]/data/sample/*/ is that directory's, not a glob's "k, i, t or 1"."""
+    """The absolute path or pattern of local files ``value`` names, else None; the directories
+    that exist escaped (a kit in kit[1]/: its data/sample/*/, not a glob's "k, i, t or 1")."""
     if not value or "://" in value:
         return None
     slash = "/" if value.endswith("/") else ""
@@ -1290,8 +1292,8 @@ def _local(value):
 
 
 def damaged(ckpt_dir, path, error, resume=False):
-    """The paragraph for a checkpoint file that does not load: which one, and the newest older
-    complete checkpoint, to pass instead or (``resume``) with the command that resumes from it."""
+    """The paragraph for a checkpoint file that does not load, with the newest older complete
+    checkpoint to pass instead, or (``resume``) the command that resumes from it."""
     text = (f"The checkpoint {ckpt_dir} is damaged: {path} does not load "
             f"({type(error).__name__}: {first_line(error)}). Nothing was changed or deleted.")
     step = int(ckpt_dir.name.removeprefix("step-"))
@@ -1312,9 +1314,8 @@ def damaged(ckpt_dir, path, error, resume=False):
 
 
 def pretrained(cls, name, what, **kwargs):
-    """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
-    directory nor a Hub name that loads. A name that can only be a path (only_a_path) is not
-    sent to the Hub: it would only wait for the network to fail."""
+    """``cls.from_pretrained(name)``, one clear error if it fails; a name that can only be a path
+    (only_a_path) is not sent to the Hub: it would only wait for the network to fail."""
     if only_a_path(name):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
                                 f"{os.getcwd()}; a name that begins with a directory there is "
@@ -1335,8 +1336,7 @@ def pretrained(cls, name, what, **kwargs):
 
 
 def only_a_path(name):
-    """Whether ``name``, which does not exist, can only be a path (absolute, ./, ~, more than
-    one /, or a first part that is a local directory: outputs/mistyped), not a Hub name."""
+    """Whether ``name`` can only be a missing path (absolute, ./, ~, two /, outputs/typo)."""
     return not os.path.exists(name) and (os.path.isabs(name) or name.startswith((".", "~")) or
                                          name.count("/") > 1 or os.path.isdir(name.split("/")[0]))
 

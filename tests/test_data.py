@@ -342,16 +342,59 @@ def test_prefetch_close_ends_its_process():
     assert not Path(f"/proc/{pid}").exists()  # ended and reaped
 
 
-def test_a_prefetch_whose_process_was_killed_says_so_in_one_paragraph():
-    """(The kernel's OOM killer picks the largest process: a ChildProcessError, an OSError, is
-    the trainer's one paragraph, not a broken pipe's traceback.)"""
+@pytest.mark.parametrize("signum, why", [(signal.SIGKILL, "out-of-memory killer, or a kill -9"),
+                                         (signal.SIGHUP, "SIGHUP")])
+def test_a_prefetch_whose_process_was_killed_names_the_signal_in_one_paragraph(signum, why):
+    """A ChildProcessError (an OSError: the trainer's one paragraph, not a broken pipe's
+    traceback) that names the signal; only SIGKILL may be the kernel's OOM killer."""
     p = Prefetch(Sequence(range(100), repeat=True), 2)
     next(p)
-    os.kill(p._pid, signal.SIGKILL)
-    with pytest.raises(ChildProcessError, match=r"data.Prefetch's process \(\d+\) ended"):
+    os.kill(p._pid, signum)
+    with pytest.raises(ChildProcessError, match=r"data.Prefetch's process \(\d+\)") as error:
         for _ in range(5):  # (the items already on their way come first)
             next(p)
+    assert why in str(error.value) and ("memory" in str(error.value)) == (why != "SIGHUP")
     p.close()
+
+
+def next_within(p, seconds=60):
+    """next(p) until it raises (5 items at most), in a thread: what it raised, or None if it
+    still waits after ``seconds`` (a bound on a failure, not a wait for success)."""
+    raised = []
+
+    def take():
+        try:
+            for _ in range(5):
+                next(p)
+        except BaseException as e:  # noqa: BLE001 (told to the test)
+            raised.append(e)
+    taking = threading.Thread(target=take, daemon=True)
+    taking.start()
+    taking.join(timeout=seconds)
+    return raised[0] if raised else None
+
+
+def test_a_stray_sigusr1_to_the_prefetch_process_is_an_error_not_a_hang():
+    """SIGUSR1 is how Prefetch ends its child's hung read once it gave up (until); one it did
+    not send breaks the child's pipeline too, and next() says so instead of waiting on."""
+    p = Prefetch(Sequence(range(100), repeat=True), 2)
+    next(p)
+    os.kill(p._pid, signal.SIGUSR1)
+    error = next_within(p)
+    p.close()
+    assert isinstance(error, ChildProcessError) and "SIGUSR1" in str(error), error
+
+
+@pytest.mark.slow
+def test_a_stopped_prefetch_process_is_an_error_naming_it_not_a_hang():
+    """kill -STOP of the child (or a debugger's stop): next() fails after 3 s naming it."""
+    p = Prefetch(Sequence(range(100), repeat=True), 2)
+    next(p)
+    os.kill(p._pid, signal.SIGSTOP)
+    error = next_within(p)
+    os.kill(p._pid, signal.SIGCONT)
+    p.close()
+    assert isinstance(error, ChildProcessError) and "is stopped" in str(error), error
 
 
 @pytest.mark.parametrize("hangs_at", [2, 5, 7])

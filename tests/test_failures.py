@@ -6,6 +6,7 @@ nothing a run wrote is lost."""
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,11 +17,13 @@ from helpers import (
     ROOT,
     copy_kit,
     jsonl,
+    last_step,
     metrics,
     refused,
     start,
     train,
     train_args,
+    wait_for,
 )
 
 import train_llm
@@ -204,6 +207,34 @@ def test_a_signal_stops_a_run_that_is_still_starting(tmp_path, tiny_model):
     log = (tmp_path / "log.txt").read_text()
     assert "SIGTERM before the first step: stopped" in log and "Traceback" not in log, log
     connection.close()
+
+
+@pytest.mark.slow
+def test_a_run_whose_loader_process_is_stopped_ends_in_seconds_naming_it(tmp_path, tiny_model):
+    """kill -STOP of the loader's process (data.Prefetch's child): the run fails within seconds
+    naming it, and so does a SIGTERM sent then (whose save needs the loader's state)."""
+    import glob
+    import signal
+    import time
+
+    exp_dir, log = tmp_path / "stopped", tmp_path / "log.txt"
+    proc = start(train_args(tmp_path, tiny_model, name="stopped", max_steps=10**6,
+                            ckpt_freq=10**6, log_freq=1), log)
+    try:
+        wait_for(lambda: last_step(exp_dir) >= 2, proc)
+        children = {int(pid) for path in glob.glob(f"/proc/{proc.pid}/task/*/children")
+                    for pid in open(path).read().split()}
+        for pid in children:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert proc.wait(timeout=60) == 1
+        assert time.monotonic() - began < 15
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "data.Prefetch's process" in text and "is stopped (SIGSTOP" in text, text
+    assert "Traceback" not in text, text
 
 
 def test_a_signal_while_a_failed_rank_exits_ends_it_without_a_traceback():
