@@ -662,7 +662,7 @@ def get_parser():
     fixed("--lr", type=finite(0, above=True), default=4e-3)
     fixed("--warmup-steps", type=at_least(0), default=60)
     fixed("--min-lr", type=finite(0), default=3e-4)
-    add("--decay-steps", type=at_least(1), help="default: the first --max-steps")
+    add("--decay-steps", type=at_least(1), help="default: the first --max-steps past the warmup")
 
     add, fixed = parser.group("logging, validation, checkpoints")
     add("--log-freq", type=at_least(1), default=10)

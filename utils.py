@@ -363,14 +363,25 @@ def say_new_cut(args, state, world_size):
 
 
 def keep_schedule(args, state):
-    """--decay-steps from the run state (the first start's --max-steps unless given): raising
-    --max-steps later trains on at --min-lr, never up a stretched cosine. The log says which."""
-    state["decay_steps"] = args.decay_steps = args.decay_steps or state.get("decay_steps") or \
-        args.max_steps
-    LOGGER.info(f"Learning rate: warmup over {args.warmup_steps} steps to --lr {args.lr:g}, "
-                f"cosine to --min-lr {args.min_lr:g} at step {args.decay_steps}" +
-                (f", then --min-lr to step {args.max_steps}" if args.max_steps >
-                 args.decay_steps else ""))
+    """--decay-steps from the run state (the first start's --max-steps past the warmup unless
+    given): raising --max-steps later trains on at --min-lr, never up a stretched cosine."""
+    kept = state.get("decay_steps") if state.get("decay_steps", 0) > args.warmup_steps else None
+    if args.decay_steps and args.decay_steps <= args.warmup_steps:
+        sys.exit(f"--decay-steps {args.decay_steps} ends the cosine inside --warmup-steps "
+                 f"{args.warmup_steps}: the learning rate would drop from --lr to --min-lr at "
+                 "the warmup's end. Pass a --decay-steps above the warmup, or leave it out.")
+    if args.decay_steps and kept and args.decay_steps != kept:
+        sys.exit(f"--decay-steps {args.decay_steps}: this run's cosine ends at step {kept} "
+                 "(state.json), and a resume keeps its schedule. Leave --decay-steps out, or "
+                 "start a new run from this one's weights with --init-from.")
+    state["decay_steps"] = args.decay_steps = args.decay_steps or kept or args.max_steps
+    text = f"Learning rate: warmup over {args.warmup_steps} steps to --lr {args.lr:g}"
+    if args.decay_steps <= args.warmup_steps:  # (a short first run: its cosine is set later)
+        LOGGER.info(f"{text}; this run ends at step {args.max_steps}, inside it")
+    else:
+        LOGGER.info(f"{text}, cosine to --min-lr {args.min_lr:g} at step {args.decay_steps}" +
+                    (f", then --min-lr to step {args.max_steps}" if args.max_steps >
+                     args.decay_steps else ""))
 
 
 def fresh_state(args, exp_dir, config):

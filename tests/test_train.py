@@ -40,6 +40,7 @@ from helpers import (
     wait_for,
 )
 
+import train_llm
 import utils
 
 CKPT_FILES = {"model.pt", "optimizer.pt", "lr_scheduler.pt", "rng-rank0.pt", "loader-rank0.json",
@@ -376,6 +377,40 @@ def test_raising_max_steps_trains_on_at_min_lr_never_back_up(tiny_model, tmp_pat
     longer = train(train_args(tmp_path, tiny_model, name="longer", decay_steps=15, **flags))
     assert longer.returncode == 0 and "cosine to --min-lr 0.001 at step 15" in longer.stderr
     assert metrics(tmp_path / "longer")[9]["lr"] > 1.5e-3
+
+
+@pytest.mark.parametrize("given, state, refused", [
+    (20, {}, "--decay-steps 20 ends the cosine inside --warmup-steps 20"),
+    (10, {"decay_steps": 40}, "--decay-steps 10 ends the cosine inside"),
+    (50, {"decay_steps": 40}, "this run's cosine ends at step 40"),
+    (40, {"decay_steps": 40}, None), (None, {"decay_steps": 40}, None)])
+def test_a_decay_that_ends_inside_the_warmup_or_changes_on_resume_is_refused(given, state,
+                                                                            refused):
+    """--decay-steps at or below --warmup-steps (the lr would drop 13x at the warmup's end), or
+    not the one the run's cosine keeps: refused before any work; the same one, or none, runs."""
+    args = argparse.Namespace(decay_steps=given, warmup_steps=20, max_steps=100, lr=1e-2,
+                              min_lr=1e-3)
+    if refused:
+        with pytest.raises(SystemExit, match=refused):
+            utils.keep_schedule(args, state)
+    else:
+        utils.keep_schedule(args, state)
+        assert state["decay_steps"] == args.decay_steps == 40
+
+
+def test_a_run_shorter_than_its_warmup_says_so_and_sets_its_cosine_when_trained_on(caplog):
+    """--max-steps 10 under a 60-step warmup: the start line says the run ends inside it (no
+    cosine "at step 10"); trained on to 100 steps, the cosine ends at 100, not at step 10 (where
+    the lr would drop from --lr to --min-lr at the warmup's end)."""
+    caplog.set_level("INFO", logger="train_llm")
+    state, short = {}, dict(decay_steps=None, warmup_steps=60, lr=1e-2, min_lr=1e-3)
+    utils.keep_schedule(argparse.Namespace(max_steps=10, **short), state)
+    assert "this run ends at step 10, inside it" in caplog.text and "cosine" not in caplog.text
+    longer = argparse.Namespace(max_steps=100, **short)
+    utils.keep_schedule(longer, state)
+    assert state["decay_steps"] == longer.decay_steps == 100
+    lrs = [train_llm.get_lr(step, longer) for step in range(100)]
+    assert max(lrs) == pytest.approx(1e-2) and all(a >= b for a, b in zip(lrs[60:], lrs[61:]))
 
 
 @pytest.mark.slow
