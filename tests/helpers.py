@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import re
+import resource
 import runpy
 import shutil
 import signal
@@ -193,6 +194,18 @@ def script(name, argv, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
     runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__")
     return capsys.readouterr().out
+
+
+@contextlib.contextmanager
+def small_disk(limit):
+    """In this process, till the block ends: a file written past ``limit`` bytes fails with
+    EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def script_module(name):
