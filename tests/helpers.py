@@ -208,6 +208,29 @@ def small_disk(limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+@contextlib.contextmanager
+def read_only(make):
+    """A directory that ``make(path)`` makes, then read-only to this process till the block
+    ends: mode 0o555, and as root (whom no mode stops) the process acting as nobody, who can
+    import nothing then; so that nobody may reach it, it lies in a new directory of /tmp."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        path = Path(tmp, "ro")
+        make(path)
+        path.chmod(0o555)
+        root = os.geteuid() == 0
+        if root:
+            os.setegid(65534)
+            os.seteuid(65534)
+        try:
+            yield path
+        finally:
+            if root:
+                os.seteuid(0)
+                os.setegid(0)
+            path.chmod(0o755)
+
+
 def script_module(name):
     """scripts/NAME.py imported as a module (its main() not run), for its functions."""
     spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")

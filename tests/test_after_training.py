@@ -20,6 +20,7 @@ from helpers import (
     copy_run,
     export,
     metrics,
+    read_only,
     refused,
     script,
     script_module,
@@ -570,6 +571,41 @@ def test_plot_metrics_replaces_only_its_own_images_and_says_what_it_wrote(tmp_pa
     assert result.returncode == 0 and str(tmp_path / "x.png") in result.stdout, result.stderr
     assert plot("--out", tmp_path / "x.png").returncode == 0  # its own: replaced
     refused(plot("--out", tmp_path / "x.txt"), "the image is a PNG")
+
+
+def test_plot_metrics_refuses_what_it_cannot_write_or_read_before_drawing(tmp_path, capsys,
+                                                                          monkeypatch):
+    """--out in a folder that does not exist, a run directory it may not write metrics.png in,
+    a byte of metrics.jsonl that is no UTF-8: one paragraph each, naming the path (and the
+    line) and what to do; nothing drawn, and the first two refused before any is read."""
+    plot = script_module("plot_metrics")
+    group_runs = plot.group_runs  # (the runs' metrics read: None where refused before it)
+
+    def refusal(*argv, reads=True):
+        monkeypatch.setattr(sys, "argv", ["plot_metrics.py", *map(str, argv)])
+        monkeypatch.setattr(plot, "group_runs", group_runs if reads else None)
+        with pytest.raises(SystemExit) as exit_:
+            plot.main()
+        return f"{exit_.value.code} {capsys.readouterr().err}"
+
+    run = fake_run(tmp_path / "run")
+    message = refusal(run, "--out", tmp_path / "nodir/x.png", reads=False)
+    for words in (f"--out {tmp_path / 'nodir/x.png'}", f"no folder {tmp_path / 'nodir'}",
+                  "mkdir -p", "nothing was drawn"):
+        assert words in message, (words, message)
+    assert not (tmp_path / "nodir").exists()
+    with read_only(fake_run) as ro:
+        message = refusal(ro, reads=False)
+    for words in (f"{ro / 'metrics.png'}: cannot write in {ro} (Permission denied)",
+                  "Pass --out"):
+        assert words in message, (words, message)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 5, "note": "caf\xe9"}\n')  # (Latin-1, not UTF-8)
+    message = refusal(run)
+    for words in (f"{run / 'metrics.jsonl'}, line 5: byte 0xe9 is not UTF-8",
+                  "Mend or delete that line"):
+        assert words in message, (words, message)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "state.json"]
 
 
 def test_an_export_of_a_run_takes_only_that_runs_checkpoints(four_steps, tmp_path, capsys,
