@@ -5,6 +5,7 @@ scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."
 import csv
 import fcntl
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -217,9 +218,50 @@ def test_export_hf_without_out_writes_only_a_run_s_own_hf_and_never_beside_its_t
     before = snapshot(exp / "hf")
     with open(exp / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run training there holds it
-        with pytest.raises(SystemExit, match="is training: export it once it has finished"):
+        with pytest.raises(SystemExit, match="is training, or being exported .*: export it"):
             script("export_hf", [exp], capsys, monkeypatch)
     assert snapshot(exp / "hf") == before
+
+
+def test_an_export_of_a_run_that_does_not_exist_says_so_and_names_runs_near_it(
+        tmp_path, capsys, monkeypatch):
+    """`export_hf.py outputs/demoo`: no such run (not "pass --out"), with the runs whose names
+    are near it; nothing written."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo/state.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        script("export_hf", [tmp_path / "demoo"], capsys, monkeypatch)
+    message = str(exit_.value.code)
+    for words in (f"{tmp_path / 'demoo'}: no such run directory", "near it: demo"):
+        assert words in message, (words, message)
+    assert "--out" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_an_export_to_an_out_another_export_is_writing_says_so_and_leaves_it(
+        tmp_path, capsys, monkeypatch):
+    """Two exports to one --out at once: the one that finds OUT.tmp held (flock, as a running
+    export holds it) says another export is writing there, before it loads the model (or,
+    loaded, as it would start to write), and leaves that export's files be; once that export
+    has ended, an export claims OUT.tmp, what the other left there deleted."""
+    run, out, tmp = tmp_path / "run", tmp_path / "out", tmp_path / "out.tmp"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "state.json").write_text("{}")
+    tmp.mkdir()
+    (tmp / trained.EXPORT_MARKER).write_text("{}")  # (what the other export has written so far)
+    export_hf, before = script_module("export_hf"), snapshot(tmp_path)
+    other = os.open(tmp, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as exit_:  # (a run it cannot load: refused before)
+            script("export_hf", [run, "--out", out], capsys, monkeypatch)
+        with pytest.raises(export_hf.ExportBusy):  # (the race: loaded while the other began)
+            export_hf.save_hf(out, None, None, {})
+    finally:
+        os.close(other)  # (the other export ends, or is killed)
+    assert f"another export is writing {out} now" in str(exit_.value.code)
+    assert snapshot(tmp_path) == before and not out.exists()
+    os.close(export_hf.claim(tmp, out))
+    assert tmp.is_dir() and not any(tmp.iterdir())
 
 
 @pytest.mark.slow
