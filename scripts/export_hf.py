@@ -10,8 +10,9 @@ by the script the run recorded, with the copy's own trained.py, utils.py and dat
 
 Without --out it writes the run's own hf/ (not while the run trains), from any checkpoint of
 DDP (model.pt) or FSDP (dcp/) runs. An export is written as OUT.tmp and renamed: a whole one or
-none. --out must not exist yet, or be an earlier export (its train_llm.json tells): nothing
-else is ever replaced, and files a user added to an earlier export are kept.
+none, and one at a time (a second export to the same --out is told another is writing there).
+--out must not exist yet, or be an earlier export (its train_llm.json tells): nothing else is
+ever replaced, and files a user added to an earlier export are kept.
 """
 
 import argparse

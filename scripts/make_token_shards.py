@@ -16,6 +16,9 @@ domain for --mix). The layouts (DESIGN.md section 10):
 
 The ids are the tokenizer's for each record's --column, without special tokens: documents are
 told apart by EOS alone, and the kit adds BOS and EOS when it reads them (data.EnsureBosEos).
+
+All or none: each file is written as a hidden .NAME.tmp and renamed once whole, and a failure (a
+full disk, a bad record, Ctrl-C) removes what the command wrote, so the same command reruns.
 """
 
 import argparse

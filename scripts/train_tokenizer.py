@@ -17,7 +17,9 @@ Both outputs are deterministic: the same data gives byte-identical files.
 Regenerate the shipped ones with (after data/make_sample_data.py):
     python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl' \
         --out assets/tokenizer --config-out assets/tiny-gpt2 --overwrite
-Without --overwrite it writes into new or empty directories only (default: outputs/).
+Without --overwrite it writes into new or empty directories only (default: outputs/). Both are
+written into hidden directories beside them and moved into place once they load: a full disk
+or a kill leaves no half-written tokenizer.
 """
 import argparse
 import json
