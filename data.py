@@ -889,9 +889,9 @@ def token_layout(url, head, size, format=None):
         else:
             base, dtype, count, what = 0, np.uint16, size // 2, "nanoGPT's uint16 ids take"
         dtype = np.dtype(dtype).newbyteorder("<")
-    if size != base + count * dtype.itemsize:
-        raise DataError(f"shard {url}: {size:,} bytes, where {count:,} ids as {what} "
-                        f"{base + count * dtype.itemsize:,}: cut short, or another layout")
+    if size != (whole := base + count * dtype.itemsize):
+        raise DataError(f"shard {url}: {size:,} bytes, where {count:,} ids as {what} {whole:,}: "
+                        "cut short (a write that did not finish: make it again), or another layout")
     return base, dtype, count
 
 

@@ -10,11 +10,14 @@ by the script the run recorded, with the copy's own trained.py, utils.py and dat
 
 Without --out it writes the run's own hf/ (not while the run trains), from any checkpoint of
 DDP (model.pt) or FSDP (dcp/) runs. An export is written as OUT.tmp and renamed: a whole one or
-none. --out must not exist yet, or be an earlier export (its train_llm.json tells): nothing
-else is ever replaced, and files a user added to an earlier export are kept.
+none, and one at a time (a second export to the same --out is told another is writing there).
+--out must not exist yet, or be an earlier export (its train_llm.json tells): nothing else is
+ever replaced, and files a user added to an earlier export are kept.
 """
 
 import argparse
+import contextlib
+import difflib
 import fcntl
 import json
 import os
@@ -41,17 +44,30 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
     is refused, so a mistyped --out cannot delete a user's files or runs. ``owned``: ``out`` is
     a run's own hf/, which the run directory's layout reserves for it (DESIGN.md section 3).
     """
-    marker = trained.EXPORT_MARKER  # it marks a directory as one that save_hf wrote
     out = Path(os.path.abspath(out))
-    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(f".{out.name}.replaced")
-    for path in (out, tmp):
-        if path.exists() and not owned and not is_export(path):
-            raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
-                                  f"{marker}, or holds a run): not replacing it. Pass an --out "
-                                  "that does not exist yet.")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp, old = staging(out), out.with_name(f".{out.name}.replaced")
+    replaceable(out, owned)
+    held = claim(tmp, out)
     try:
-        tmp.mkdir(parents=True)
+        write_export(out, tmp, model, tokenizer, config, checkpoint)
+        # The old export is renamed aside, not deleted in place: a kill while deleting it
+        # would leave a directory without its marker, which no later export could replace.
+        # (The hidden name is save_hf's own: one left by a kill is deleted the next time.)
+        with locked(out.parent):  # (another export's renames wait: they use ``old`` too)
+            shutil.rmtree(old, ignore_errors=True)
+            if out.exists():
+                os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        os.close(held)
+
+
+def write_export(out, tmp, model, tokenizer, config, checkpoint):
+    """The export into ``tmp``, checked, with the files a user added to ``out`` copied; a
+    failure deletes ``tmp`` and names the cause."""
+    marker = trained.EXPORT_MARKER
+    try:
         # The marker first: a half-written tmp that a kill leaves behind is then known as ours.
         (tmp / marker).write_text(json.dumps({**config, "exported_from": checkpoint}, indent=2))
         model.save_pretrained(tmp)
@@ -70,14 +86,74 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
         if (failure := utils.write_failure(out, e)) is None:
             raise
         raise failure from e
-    # The old export is renamed aside, not deleted in place: a kill while deleting it would
-    # leave a directory without its marker, which no later export could replace. (The hidden
-    # name is save_hf's own: one left by a kill is deleted the next time.)
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def replaceable(out, owned):
+    """Refused (FileExistsError) unless ``out`` and its OUT.tmp are the run's own (``owned``),
+    missing, or exports of the kit (its marker, train_llm.json, says so)."""
+    for path in (out, staging(out)):
+        if path.exists() and not owned and not is_export(path):
+            raise FileExistsError(f"{path} exists and is not an export of this kit (it has no "
+                                  f"{trained.EXPORT_MARKER}, or holds a run): not replacing it. "
+                                  "Pass an --out that does not exist yet.")
+
+
+def staging(out):
+    """Where an export of ``out`` is written before it is renamed into place: OUT.tmp."""
+    return out.with_name(out.name + ".tmp")
+
+
+class ExportBusy(OSError):
+    """Another export is writing the same --out."""
+
+    def __init__(self, out):
+        super().__init__(f"another export is writing {out} now (into {staging(out)}): nothing "
+                         "was written. Wait for it to finish, or pass another --out.")
+
+
+@contextlib.contextmanager
+def locked(directory):
+    """One export at a time in ``directory`` for the block (a file system without flock:
+    unguarded)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def busy(tmp):
+    """Whether an export is writing ``tmp``: one that runs holds it locked (flock)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # (a file system without flock)
+        return False
+    finally:
+        os.close(fd)
+
+
+def claim(tmp, out):
+    """``tmp`` made anew for this export and locked till its descriptor (returned) is closed,
+    what a killed export left there deleted; ExportBusy if another export holds it."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with locked(tmp.parent):  # (no other export between the look and the mkdir)
+        if busy(tmp):
+            raise ExportBusy(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        fd = os.open(tmp, os.O_RDONLY)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
 
 
 class NotTheModel(OSError):
@@ -131,6 +207,46 @@ def is_export(path):
                          and not {"state.json", "checkpoints"} & names)
 
 
+def before_work(args):
+    """The refusals said before the model is loaded, and --out settled: (whether it is the
+    run's own hf/, the run's lock held for the export or None)."""
+    run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
+    if args.out is None and not run:
+        if not args.run_dir.exists():
+            sys.exit(no_such_run(args.run_dir))
+        sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
+    if run and args.checkpoint and args.checkpoint.resolve().parent != \
+            (args.run_dir / "checkpoints").resolve():
+        sys.exit(f"--checkpoint {args.checkpoint} is not one of {args.run_dir}'s checkpoints "
+                 f"(those in {args.run_dir / 'checkpoints'}): pass the run it belongs to")
+    own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
+    args.out = args.out or own
+    owned, lock = run and args.out.resolve() == own.resolve(), None
+    if owned:  # never beside a run that is training there, or another export of it: its lock
+        lock = open(args.run_dir / ".lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.exit(f"{args.run_dir} is training, or being exported (its lock is held): export "
+                     "it once that has finished, or pass --out")
+    out = Path(os.path.abspath(args.out))
+    replaceable(out, owned)  # (save_hf makes sure again, and claims its OUT.tmp)
+    if busy(staging(out)):
+        raise ExportBusy(out)
+    return owned, lock
+
+
+def no_such_run(path):
+    """The refusal of a run directory that does not exist, with the runs of names near it."""
+    parent = path.parent
+    runs = [p.name for p in parent.iterdir() if (p / "state.json").is_file()] \
+        if parent.is_dir() else []
+    near = difflib.get_close_matches(path.name, runs, n=3)
+    return (f"{path}: no such run directory" + (f" (runs of names near it: {', '.join(near)})"
+                                                 if near else "")
+            + ". Pass the directory of a run of train_llm.py, as outputs/NAME")
+
+
 def main():
     transformers.utils.logging.disable_progress_bar()  # no bars for loading tiny files
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -147,13 +263,7 @@ def main():
                              "your own that holds the model's (e.g. ema: README, Changing the "
                              "kit)")
     args = parser.parse_args()
-    run = (args.run_dir / "state.json").is_file() and (args.run_dir / "checkpoints").is_dir()
-    if args.out is None and not run:  # (said before the model is loaded)
-        sys.exit(f"{args.run_dir} is no run directory: pass --out, the directory to write")
-    if run and args.checkpoint and args.checkpoint.resolve().parent != \
-            (args.run_dir / "checkpoints").resolve():  # (said before the model is loaded)
-        sys.exit(f"--checkpoint {args.checkpoint} is not one of {args.run_dir}'s checkpoints "
-                 f"(those in {args.run_dir / 'checkpoints'}): pass the run it belongs to")
+    owned, _run_lock = before_work(args)  # (held till the export ends)
     source = args.checkpoint or args.run_dir
     kit = project.project_kit(source, args.script)  # a copy's own trained.py, if it has one
     model, tokenizer, config, checkpoint = project.load_trained(kit, source, args.script,
@@ -167,15 +277,6 @@ def main():
                  "Hugging Face layout to write. Its checkpoints are its export: build the model "
                  "with create_model and load model.pt with torch.load(..., weights_only=True).")
     checkpoint = checkpoint.resolve()  # (the one read: a run may have saved a newer one since)
-    own = args.run_dir / "hf"  # the run's own export, which its layout reserves for it
-    args.out = args.out or own
-    owned = run and args.out.resolve() == own.resolve()
-    if owned:  # never beside a run that is training there (and may be exporting): its lock
-        lock = open(args.run_dir / ".lock", "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            sys.exit(f"{args.run_dir} is training: export it once it has finished, or pass --out")
     if owned and args.checkpoint is None:  # as the run writes it: the path inside the run
         checkpoint = checkpoint.relative_to(args.run_dir.resolve())
     save_hf(args.out, model, tokenizer, config or {}, checkpoint=str(checkpoint), owned=owned)

@@ -16,6 +16,9 @@ domain for --mix). The layouts (DESIGN.md section 10):
 
 The ids are the tokenizer's for each record's --column, without special tokens: documents are
 told apart by EOS alone, and the kit adds BOS and EOS when it reads them (data.EnsureBosEos).
+
+All or none: each file is written as a hidden .NAME.tmp and renamed once whole, and a failure (a
+full disk, a bad record, Ctrl-C) removes what the command wrote, so the same command reruns.
 """
 
 import argparse
@@ -51,19 +54,34 @@ def token_ids(url, tokenizer, column, eos, eos_first, dtype):
 
 
 def write(path, ids, layout):
-    """One token file of ``ids`` in ``layout``."""
+    """One token file of ``ids`` in ``layout``, written as .NAME.tmp beside it (a name no shard
+    has: hidden, and no token file's suffix) and renamed once whole: a kill leaves no file the
+    kit takes as a shard, a failed write (a full disk) not even that, and names ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")  # (this script's own name: one a kill left, replaced)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if layout == "npy":
-        np.save(path, ids)
-        return
-    with open(path, "wb") as f:
-        if layout == "llmc":
-            header = np.zeros(256, dtype=np.int32)
-            magic, version = next(key for key, dtype in data.LLMC_HEADERS.items()
-                                  if dtype == ids.dtype)
-            header[:3] = [magic, version, len(ids)]
-            f.write(header.tobytes())
-        f.write(ids.tobytes())
+    try:
+        with open(tmp, "wb") as f:
+            if layout == "npy":
+                np.save(f, ids)
+            else:
+                if layout == "llmc":
+                    header = np.zeros(256, dtype=np.int32)
+                    magic, version = next(key for key, dtype in data.LLMC_HEADERS.items()
+                                          if dtype == ids.dtype)
+                    header[:3] = [magic, version, len(ids)]
+                    f.write(header.tobytes())
+                f.write(ids.tobytes())
+            f.flush()
+            os.fsync(f.fileno())  # (on disk before its name says it is whole)
+        if path.exists():  # (made since main's check: perhaps not this script's, so kept)
+            raise FileExistsError(f"{path} appeared while this script wrote it: kept, and "
+                                  "nothing written; move it away, or pick another --out")
+        os.rename(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
+            raise (utils.write_failure(path, e) or e) from e
+        raise
 
 
 def main():
@@ -106,11 +124,23 @@ def main():
     if there:  # (perhaps not this script's: never written over)
         sys.exit(f"{there[0]} exists ({len(there)} of the {len(outs)} files to write do): nothing "
                  "written; move them away, or pick another --out")
-    for url, out in outs.items():
-        ids = token_ids(url, tokenizer, args.column, tokenizer.eos_token_id,
-                        eos_first=args.layout == "llmc", dtype=dtype)
-        write(out, ids, args.layout)
-        print(f"{url}: {len(ids):,} tokens -> {out}")
+    written = []  # all or none: a failure removes what this command wrote, so it can rerun
+    try:
+        for url, out in outs.items():
+            ids = token_ids(url, tokenizer, args.column, tokenizer.eos_token_id,
+                            eos_first=args.layout == "llmc", dtype=dtype)
+            write(out, ids, args.layout)
+            written.append(out)
+            print(f"{url}: {len(ids):,} tokens -> {out}")
+    except BaseException as e:
+        for out in written:
+            out.unlink(missing_ok=True)
+        if not isinstance(e, (OSError, data.DataError, KeyboardInterrupt)):
+            raise
+        sys.exit(("Stopped (Ctrl-C)." if isinstance(e, KeyboardInterrupt) else
+                  f"{type(e).__name__}: {str(e).rstrip('.')}.") + " Nothing is kept" + (
+                  f" (the {len(written)} token file(s) it wrote are removed)" if written else "")
+                 + ": the same command starts over.")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import itertools
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -36,9 +37,15 @@ def read_rows(exp_dir):
         sys.exit(f"{path}: no such file. Pass the directory of a run of train_llm.py "
                  "(outputs/NAME) that has trained a step.")
     rows = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            rows.append(json.loads(line))
+            text = line.decode()
+        except UnicodeDecodeError as e:  # (train_llm.py writes ASCII: a damaged file, an edit)
+            sys.exit(f"{path}, line {number}: byte {line[e.start]:#04x} is not UTF-8, so the "
+                     "file cannot be read; nothing was drawn. Mend or delete that line "
+                     "(train_llm.py writes it as ASCII JSON), and rerun.")
+        try:
+            rows.append(json.loads(text))
         except ValueError:  # the torn last line of a run that is being killed
             pass
     rows = [row for row in rows if isinstance(row, dict) and "step" in row]  # (not a note)
@@ -179,6 +186,27 @@ def ours(path, default):
     return software == MARK or default and software.startswith("Matplotlib")
 
 
+def unwritable(path, flag):
+    """Why ``path``, named by ``flag`` (None: the default RUN/metrics.png), cannot be written,
+    said before any work; None if it can, or if its run is missing (read_rows says so)."""
+    if path is None or flag is None and not path.parent.is_dir():
+        return None
+    what, other = ((f"{flag} {path}", f"another {flag}") if flag else
+                   (str(path), "--out, an image in a folder you can write"))
+    if not path.parent.is_dir():
+        return (f"{what}: there is no folder {path.parent} to write it in; nothing was drawn. "
+                f"Make it (mkdir -p {path.parent}), or pass {other}")
+    try:  # (tried, not os.access: that asks for the real user, and misses read-only disks)
+        if path.exists():
+            open(path, "ab").close()  # (appends nothing: the file as it was)
+        else:
+            tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        where = "it" if path.exists() else f"in {path.parent}"
+        return f"{what}: cannot write {where} ({e.strerror}); nothing was drawn. Pass {other}"
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("exp_dirs", type=Path, nargs="+",
@@ -199,6 +227,9 @@ def main():
     if out.exists() and not ours(out, default=args.out is None):
         parser.error(f"{out} is there and is no image of plot_metrics.py: nothing was replaced; "
                      "pass another --out")
+    for path, flag in ((out, args.out and "--out"), (args.table, "--table")):
+        if refusal := unwritable(path, flag):
+            parser.error(refusal)
     groups = group_runs(args.exp_dirs)
     figure(groups).savefig(out, dpi=120, metadata={"Software": MARK})
     table = final_table(groups)

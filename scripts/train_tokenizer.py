@@ -17,10 +17,14 @@ Both outputs are deterministic: the same data gives byte-identical files.
 Regenerate the shipped ones with (after data/make_sample_data.py):
     python scripts/train_tokenizer.py --data 'data/sample/*/train-*.jsonl' \
         --out assets/tokenizer --config-out assets/tiny-gpt2 --overwrite
-Without --overwrite it writes into new or empty directories only (default: outputs/).
+Without --overwrite it writes into new or empty directories only (default: outputs/). Both are
+written into hidden directories beside them and moved into place once they load: a full disk
+or a kill leaves no half-written tokenizer.
 """
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,6 +67,75 @@ def train_tokenizer(files, vocab_size):
     return tok
 
 
+def write_tokenizer(tok, args, out):
+    """The tokenizer into ``out``, loaded back as a user will, checked, and returned."""
+    # Imported late: transformers is slow to import and training the tokenizer does not need it.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=PAD,
+        model_max_length=args.max_length,
+        clean_up_tokenization_spaces=False,  # would turn " ." into "." on decode
+    )
+    hf_tok.save_pretrained(out)
+    # transformers 5 records its internal class name "TokenizersBackend";
+    # "PreTrainedTokenizerFast" names the same class in 5.x and also loads in 4.x.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    # ---- check what a user of the kit will see: a fresh, offline load
+    tok2 = AutoTokenizer.from_pretrained(out)
+    assert isinstance(tok2, PreTrainedTokenizerFast), type(tok2)
+    assert tok2.bos_token == tok2.eos_token == EOS and tok2.pad_token == PAD
+    assert tok2("hello")["input_ids"] == tok2.encode("hello", add_special_tokens=False)
+    samples = [next(iter_texts([f])) for f in args.files[::4]] + [
+        "  leading spaces, tabs\t and\nnewlines  ", "naïve café — 日本語 🐍 \x00\x7f", ""]
+    for text in samples:
+        assert tok2.decode(tok2(text, verbose=False)["input_ids"]) == text, text[:80]
+    return tok2
+
+
+def write_config(tok2, args, config_out):
+    """The tiny GPT-2 config that matches the tokenizer, into ``config_out``, and a model
+    built from it: its parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(
+        vocab_size=len(tok2),
+        n_positions=args.max_length, n_embd=128, n_layer=4, n_head=4,
+        activation_function="gelu_pytorch_tanh",  # GPT-2's GELU as one kernel, not a formula
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+        bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
+        pad_token_id=tok2.pad_token_id,
+    )
+    config.save_pretrained(config_out)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_out))
+    return sum(p.numel() for p in model.parameters())  # lm_head is tied to wte
+
+
+def staging(path):
+    """A new hidden directory beside ``path`` (this process's: a kill's is never reused)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def place(tmp, path):
+    """The files of ``tmp`` moved to ``path``: the directory renamed where there is none (or
+    an empty one), else file by file (--overwrite: the files of ``path`` it does not write
+    are kept), each whole."""
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+    if not path.exists():
+        os.rename(tmp, path)
+    else:
+        for file in tmp.iterdir():
+            os.replace(file, path / file.name)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="data/sample/*/train-*.jsonl",
@@ -84,7 +157,7 @@ def main():
 
     # Sorted so the training stream, hence the merges, is the same every run.
     try:
-        files = sorted(data.expand_urls(args.data))
+        files = args.files = sorted(data.expand_urls(args.data))
         if not any(text.strip() for text in iter_texts(files)):  # (stops at the first text)
             sys.exit(f"--data {args.data}: its records hold no text to learn from: nothing "
                      "written.")
@@ -92,51 +165,25 @@ def main():
     except (OSError, ValueError) as e:  # no such files, a bad record: one paragraph
         sys.exit(f"--data {args.data}: {e}")
 
-    # Imported late: transformers is slow to import and step 1 does not need it.
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GPT2Config,
-        PreTrainedTokenizerFast,
-    )
-
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=PAD,
-        model_max_length=args.max_length,
-        clean_up_tokenization_spaces=False,  # would turn " ." into "." on decode
-    )
-    hf_tok.save_pretrained(args.out)
-    # transformers 5 records its internal class name "TokenizersBackend";
-    # "PreTrainedTokenizerFast" names the same class in 5.x and also loads in 4.x.
-    cfg_path = args.out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-    # ---- check what a user of the kit will see: a fresh, offline load
-    tok2 = AutoTokenizer.from_pretrained(args.out)
-    assert isinstance(tok2, PreTrainedTokenizerFast), type(tok2)
-    assert tok2.bos_token == tok2.eos_token == EOS and tok2.pad_token == PAD
-    assert tok2("hello")["input_ids"] == tok2.encode("hello", add_special_tokens=False)
-    samples = [next(iter_texts([f])) for f in files[::4]] + [
-        "  leading spaces, tabs\t and\nnewlines  ", "naïve café — 日本語 🐍 \x00\x7f", ""]
-    for text in samples:
-        assert tok2.decode(tok2(text, verbose=False)["input_ids"]) == text, text[:80]
+    # Each output is written into a hidden directory beside it and moved into place once both
+    # are whole and load: a full disk or a kill leaves no half-written tokenizer, and no
+    # --out/--config-out that would refuse the rerun.
+    staged = [(path, staging(path)) for path in (args.out, args.config_out)]
+    path, placing = args.out, False
+    try:
+        tok2 = write_tokenizer(tok, args, staged[0][1])
+        path = args.config_out
+        n_params = write_config(tok2, args, staged[1][1])
+        for path, tmp in staged:
+            placing = place(tmp, path)
+    except Exception as e:  # the tokenizers library says "... (os error 28)": no OSError
+        if isinstance(e, AssertionError) or (failure := utils.write_failure(path, e)) is None:
+            raise
+        sys.exit(f"{failure}." + ("" if placing else " Nothing was written."))
+    finally:
+        for _, tmp in staged:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"tokenizer: {len(tok2)} tokens (incl. specials) -> {args.out}/")
-
-    # ---- tiny GPT-2 config that matches the tokenizer
-    config = GPT2Config(
-        vocab_size=len(tok2),
-        n_positions=args.max_length, n_embd=128, n_layer=4, n_head=4,
-        activation_function="gelu_pytorch_tanh",  # GPT-2's GELU as one kernel, not a formula
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
-        bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
-        pad_token_id=tok2.pad_token_id,
-    )
-    config.save_pretrained(args.config_out)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config_out))
-    n_params = sum(p.numel() for p in model.parameters())  # lm_head is tied to wte
     print(f"tiny-gpt2: {n_params:,} parameters -> {args.config_out}/config.json")
 
     # ---- tokens per byte per domain: a rough "difficulty" hint

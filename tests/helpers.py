@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import re
+import resource
 import runpy
 import shutil
 import signal
@@ -193,6 +194,41 @@ def script(name, argv, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", [name, *map(str, argv)])
     runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__")
     return capsys.readouterr().out
+
+
+@contextlib.contextmanager
+def small_disk(limit):
+    """In this process, till the block ends: a file written past ``limit`` bytes fails with
+    EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@contextlib.contextmanager
+def read_only(make):
+    """A directory that ``make(path)`` makes, then read-only to this process till the block
+    ends: mode 0o555, and as root (whom no mode stops) the process acting as nobody, who can
+    import nothing then; so that nobody may reach it, it lies in a new directory of /tmp."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        path = Path(tmp, "ro")
+        make(path)
+        path.chmod(0o555)
+        root = os.geteuid() == 0
+        if root:
+            os.setegid(65534)
+            os.seteuid(65534)
+        try:
+            yield path
+        finally:
+            if root:
+                os.seteuid(0)
+                os.setegid(0)
+            path.chmod(0o755)
 
 
 def script_module(name):

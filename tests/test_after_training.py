@@ -5,6 +5,7 @@ scripts/generate.py, and --init-from (its weights exactly, its tokenizer kept)."
 import csv
 import fcntl
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -20,6 +21,7 @@ from helpers import (
     copy_run,
     export,
     metrics,
+    read_only,
     refused,
     script,
     script_module,
@@ -216,9 +218,50 @@ def test_export_hf_without_out_writes_only_a_run_s_own_hf_and_never_beside_its_t
     before = snapshot(exp / "hf")
     with open(exp / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run training there holds it
-        with pytest.raises(SystemExit, match="is training: export it once it has finished"):
+        with pytest.raises(SystemExit, match="is training, or being exported .*: export it"):
             script("export_hf", [exp], capsys, monkeypatch)
     assert snapshot(exp / "hf") == before
+
+
+def test_an_export_of_a_run_that_does_not_exist_says_so_and_names_runs_near_it(
+        tmp_path, capsys, monkeypatch):
+    """`export_hf.py outputs/demoo`: no such run (not "pass --out"), with the runs whose names
+    are near it; nothing written."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo/state.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        script("export_hf", [tmp_path / "demoo"], capsys, monkeypatch)
+    message = str(exit_.value.code)
+    for words in (f"{tmp_path / 'demoo'}: no such run directory", "near it: demo"):
+        assert words in message, (words, message)
+    assert "--out" not in message and sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_an_export_to_an_out_another_export_is_writing_says_so_and_leaves_it(
+        tmp_path, capsys, monkeypatch):
+    """Two exports to one --out at once: the one that finds OUT.tmp held (flock, as a running
+    export holds it) says another export is writing there, before it loads the model (or,
+    loaded, as it would start to write), and leaves that export's files be; once that export
+    has ended, an export claims OUT.tmp, what the other left there deleted."""
+    run, out, tmp = tmp_path / "run", tmp_path / "out", tmp_path / "out.tmp"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "state.json").write_text("{}")
+    tmp.mkdir()
+    (tmp / trained.EXPORT_MARKER).write_text("{}")  # (what the other export has written so far)
+    export_hf, before = script_module("export_hf"), snapshot(tmp_path)
+    other = os.open(tmp, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as exit_:  # (a run it cannot load: refused before)
+            script("export_hf", [run, "--out", out], capsys, monkeypatch)
+        with pytest.raises(export_hf.ExportBusy):  # (the race: loaded while the other began)
+            export_hf.save_hf(out, None, None, {})
+    finally:
+        os.close(other)  # (the other export ends, or is killed)
+    assert f"another export is writing {out} now" in str(exit_.value.code)
+    assert snapshot(tmp_path) == before and not out.exists()
+    os.close(export_hf.claim(tmp, out))
+    assert tmp.is_dir() and not any(tmp.iterdir())
 
 
 @pytest.mark.slow
@@ -570,6 +613,41 @@ def test_plot_metrics_replaces_only_its_own_images_and_says_what_it_wrote(tmp_pa
     assert result.returncode == 0 and str(tmp_path / "x.png") in result.stdout, result.stderr
     assert plot("--out", tmp_path / "x.png").returncode == 0  # its own: replaced
     refused(plot("--out", tmp_path / "x.txt"), "the image is a PNG")
+
+
+def test_plot_metrics_refuses_what_it_cannot_write_or_read_before_drawing(tmp_path, capsys,
+                                                                          monkeypatch):
+    """--out in a folder that does not exist, a run directory it may not write metrics.png in,
+    a byte of metrics.jsonl that is no UTF-8: one paragraph each, naming the path (and the
+    line) and what to do; nothing drawn, and the first two refused before any is read."""
+    plot = script_module("plot_metrics")
+    group_runs = plot.group_runs  # (the runs' metrics read: None where refused before it)
+
+    def refusal(*argv, reads=True):
+        monkeypatch.setattr(sys, "argv", ["plot_metrics.py", *map(str, argv)])
+        monkeypatch.setattr(plot, "group_runs", group_runs if reads else None)
+        with pytest.raises(SystemExit) as exit_:
+            plot.main()
+        return f"{exit_.value.code} {capsys.readouterr().err}"
+
+    run = fake_run(tmp_path / "run")
+    message = refusal(run, "--out", tmp_path / "nodir/x.png", reads=False)
+    for words in (f"--out {tmp_path / 'nodir/x.png'}", f"no folder {tmp_path / 'nodir'}",
+                  "mkdir -p", "nothing was drawn"):
+        assert words in message, (words, message)
+    assert not (tmp_path / "nodir").exists()
+    with read_only(fake_run) as ro:
+        message = refusal(ro, reads=False)
+    for words in (f"{ro / 'metrics.png'}: cannot write in {ro} (Permission denied)",
+                  "Pass --out"):
+        assert words in message, (words, message)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 5, "note": "caf\xe9"}\n')  # (Latin-1, not UTF-8)
+    message = refusal(run)
+    for words in (f"{run / 'metrics.jsonl'}, line 5: byte 0xe9 is not UTF-8",
+                  "Mend or delete that line"):
+        assert words in message, (words, message)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "state.json"]
 
 
 def test_an_export_of_a_run_takes_only_that_runs_checkpoints(four_steps, tmp_path, capsys,

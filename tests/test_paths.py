@@ -14,6 +14,7 @@ from helpers import (
     ROOT,
     refused,
     script,
+    small_disk,
     snapshot,
     train,
     train_args,
@@ -136,6 +137,24 @@ def test_train_tokenizer_never_writes_over_a_tokenizer_unless_told(tmp_path, cap
     with pytest.raises(SystemExit, match="outputs/tokenizer exists and is not empty"):
         script("train_tokenizer", prose, capsys, monkeypatch)
     script("train_tokenizer", [*prose, "--overwrite"], capsys, monkeypatch)
+
+
+def test_train_tokenizer_on_a_full_disk_is_one_paragraph_leaves_nothing_and_reruns(
+        tmp_path, capsys, monkeypatch):
+    """A disk that fills while the tokenizer is written: one paragraph naming --out, no file
+    or directory left (no empty tokenizer_config.json), and the same command then works."""
+    argv = ["--data", f"{ROOT}/data/sample/prose/train-000.jsonl", "--vocab-size", "300",
+            "--out", tmp_path / "out/tok", "--config-out", tmp_path / "out/cfg"]
+    with small_disk(2048), pytest.raises(SystemExit) as exit_:  # tokenizer.json does not fit
+        script("train_tokenizer", argv, capsys, monkeypatch)
+    message = str(exit_.value.code)
+    for words in (f"writing {tmp_path / 'out/tok'} failed", "GiB free on that disk",
+                  "Nothing was written"):
+        assert words in message, (words, message)
+    assert list((tmp_path / "out").iterdir()) == []
+    assert "tokenizer: 300 tokens" in script("train_tokenizer", argv, capsys, monkeypatch)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "out/tok")) == 300
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cfg", "tok"]
 
 
 def test_a_mistyped_run_under_an_existing_directory_is_not_sent_to_the_hub(tmp_path,

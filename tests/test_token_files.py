@@ -6,6 +6,7 @@ of the layouts, or holds an id the tokenizer lacks, is refused naming the shard.
 import collections
 import gzip
 import json
+import os
 import tempfile
 
 import numpy as np
@@ -14,9 +15,11 @@ from helpers import (
     ROOT,
     Sequence,
     examples,
+    jsonl,
     refused,
     run_with_cuts,
     script,
+    small_disk,
     train,
     train_args,
     trainer_pipeline,
@@ -158,7 +161,7 @@ def test_bad_token_files_are_refused_naming_the_shard(tmp_path, layout):
         for word in (str(path), *words):
             assert word in str(e.value), (word, str(e.value))
 
-    refused_file(f"short{suffix}", data_bytes[:-1], "cut short")  # an id cut in half
+    refused_file(f"short{suffix}", data_bytes[:-1], "cut short", "make it again")  # half an id
     write_tokens(tmp_path / f"big{suffix}", [[5, VOCAB + 7]], layout)
     with pytest.raises(DataError, match=rf"big{suffix}, token \d: id {VOCAB + 7} is not one of"):
         list(Files([str(tmp_path / f"big{suffix}")], tokenizer=Ids()))
@@ -167,7 +170,7 @@ def test_bad_token_files_are_refused_naming_the_shard(tmp_path, layout):
         header[1] = 3  # a version it does not know
         refused_file("version.bin", header.tobytes() + data_bytes[1024:], "version 3")
         header[1], header[2] = 1, 100  # more ids than the file holds
-        refused_file("count.bin", header.tobytes() + data_bytes[1024:], "100 ids")
+        refused_file("count.bin", header.tobytes() + data_bytes[1024:], "100 ids", "make it again")
         header[0], header[2] = 12345, 7  # a magic number it does not know: still a header
         refused_file("magic.bin", header.tobytes() + data_bytes[1024:], "magic 12345")
     if layout == "npy":
@@ -259,6 +262,37 @@ def test_make_token_shards_never_writes_over_a_file(tmp_path, capsys, monkeypatc
     with pytest.raises(SystemExit, match="--out .*out/train-000.bin is a file"):
         script("make_token_shards", ["--data", shard, "--out", tmp_path / "out/train-000.bin"],
                capsys, monkeypatch)
+
+
+def test_make_token_shards_leaves_no_partial_token_file_and_reruns_after_a_full_disk(
+        tmp_path, capsys, monkeypatch):
+    """Each token file is written under a hidden .tmp name and renamed once whole: a kill
+    leaves no file that --dataset OUT takes. A full disk is one paragraph naming the file; the
+    command's files are removed, the half-written one too, and the same command then works."""
+    (tmp_path / "text").mkdir()
+    jsonl(tmp_path / "text/a.jsonl", [{"text": "a few words"}] * 10)
+    jsonl(tmp_path / "text/b.jsonl", [{"text": "many more words than the disk holds"}] * 2000)
+    out, argv = tmp_path / "out", ["--data", tmp_path / "text", "--out", tmp_path / "out"]
+    with small_disk(16_384), pytest.raises(SystemExit) as exit_:  # a.bin fits, b.bin does not
+        script("make_token_shards", argv, capsys, monkeypatch)
+    message = str(exit_.value.code)
+    for words in (f"writing {out / 'b.bin'} failed", "GiB free on that disk",
+                  "the 1 token file(s) it wrote are removed", "the same command starts over"):
+        assert words in message, (words, message)
+    assert [p for p in out.rglob("*") if p.is_file()] == []
+    renames, rename = [], os.rename
+
+    def renamed(src, dst):  # what the kit would read of OUT, were the script killed now
+        found = [p.name for p in out.rglob("*") if p.is_file() and data.shard_format(str(p))]
+        renames.append((os.path.basename(src), found))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", renamed)
+    script("make_token_shards", argv, capsys, monkeypatch)
+    assert renames == [(".a.bin.tmp", []), (".b.bin.tmp", ["a.bin"])]
+    assert data.expand_urls(str(out)) == [str(out / "a.bin"), str(out / "b.bin")]
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets/tokenizer")
+    assert sum(1 for _ in Files(data.expand_urls(str(out)), tokenizer=tokenizer)) == 2010
 
 
 def test_make_token_shards_names_a_missing_tokenizer_and_a_token_file_given_as_text(
