@@ -570,8 +570,6 @@ class _Standby:
     def plan(self):
         """Opens the next splits of the slots that have read longest, up to ``n`` at a time."""
         files, self.fresh = self.files, False
-        if not self.n:
-            return
         for pos in sorted(s["pos"] + files.n_slots for s in files.slots)[:self.n]:
             if len(self.pending) < self.n and pos not in self.pending and (
                     slot := files._slot(pos)) is not None:
@@ -743,10 +741,14 @@ def _read_lines(slot, open_shard):
     compressed = url.endswith(_COMPRESSED)  # decompression cannot jump: re-read up to `at`
     with open_shard(url, 0 if compressed else at) as f:
         size = _check_size(f, slot)  # (checked on every reopen: DESIGN.md section 2, rule 2)
-        if compressed:
-            _read_up_to(f, url, at)
+        if compressed and sum(len(chunk) for chunk in _chunks(f, at)) < at:
+            raise DataError(f"shard {url} is shorter than the saved offset {at}")
         if "last" in slot:  # (states of older versions have no "last": not checked)
-            _check_last_line(f, url, offset, *slot["last"])
+            # The line read last must be as it was: a same-size file with other lines must not
+            # resume inside a line (equal bytes end in the newline it had, or at the file's end).
+            length, crc = slot["last"]
+            if zlib.crc32(b"".join(_chunks(f, length))) != crc:
+                raise _changed_row(url, f"line that ended at byte {offset}")
         elif skip:
             crossing = f.readline(MAX_LINE_BYTES + 1)
             if len(crossing) > MAX_LINE_BYTES:
@@ -779,23 +781,6 @@ def _changed_row(url, where):
     return DataError(f"shard {url} changed since this run read it: its {where} is not the one "
                      "it read there (records added or edited before it). Resuming would read "
                      "from the wrong places: restore the file, or start a new run on the new data")
-
-
-def _check_last_line(f, url, offset, length, crc):
-    """The ``length`` bytes before ``offset`` (``f`` is there), the line read last, must be what
-    they were (crc32): a same-size file with other lines must not resume inside a line."""
-    got = 0
-    for chunk in _chunks(f, length):  # (a decompressing read may return less than asked)
-        got = zlib.crc32(chunk, got)
-    if got != crc:
-        # (Equal bytes end in the newline the line had, or at the end of a same-size file.)
-        raise _changed_row(url, f"line that ended at byte {offset}")
-
-
-def _read_up_to(f, url, offset):
-    """Reads a shard that cannot seek (compressed) up to ``offset``."""
-    if sum(len(chunk) for chunk in _chunks(f, offset)) < offset:
-        raise DataError(f"shard {url} is shorter than the saved offset {offset}")
 
 
 def _read_row_groups(slot, open_shard, required_fields):
@@ -979,7 +964,7 @@ def _parquet_file(f, url, required_fields):
 
 
 def _chunks(f, n):
-    """The first ``n`` bytes of a file, 1 MiB at a time."""
+    """The first ``n`` bytes of a file, 1 MiB at a time (a decompressing read may return less)."""
     while n > 0 and (chunk := f.read(min(n, 1 << 20))):
         n -= len(chunk)
         yield chunk
@@ -1105,32 +1090,21 @@ class _Retry:
 
     def next(self, readers, i, slot, reader):
         """The next (data, where the next one starts) of ``readers[i]``, or None; faults retried."""
-        url, first = slot["url"], 0
-        if readers[i] is not None:  # the common case: no closures, no retry loop
+        for n in range(self.retries + 1):
             try:
+                if readers[i] is None:  # (opened first, or reopened after a fault)
+                    readers[i] = reader(slot)
                 return next(readers[i], None)
-            except Exception as e:  # the reader is finished: give up, or reopen it below
+            except Exception as e:  # the reader is dropped: give up, or reopen it
                 readers[i] = None
-                self.after_fault(e, url, _where(slot), 0)
-                first = 1
+                self.after_fault(e, slot["url"], _where(slot), n)
 
-        def attempt():
-            if readers[i] is None:
-                readers[i] = reader(slot)
-            return next(readers[i], None)
-
-        def reset():
-            readers[i] = None
-        return self.run(url, _where(slot), attempt, reset, first)
-
-    def run(self, url, where, attempt, reset=None, first=0):
-        """attempt(), again after transient faults (``retries`` in all); ``reset``: reopen."""
-        for n in range(first, self.retries + 1):
+    def run(self, url, where, attempt):
+        """attempt(), again after transient faults (``retries`` in all)."""
+        for n in range(self.retries + 1):
             try:
                 return attempt()
             except Exception as e:
-                if reset is not None:
-                    reset()
                 self.after_fault(e, url, where, n)
 
 
@@ -1352,11 +1326,10 @@ class Tokenize(Stage):
     def _check_skipped(self):
         """The samples a resume skipped must be those handed out before its checkpoint."""
         want, got = self._skipped
-        self._skipped = (want, _crcs(self._crcs[:self._pos], got))
-        if self._skip == 0:
-            if self._skipped[1] != want:
-                raise DataError(self.CHANGED)
-            self._skipped = (None, 0)
+        got = _crcs(self._crcs[:self._pos], got)
+        if self._skip == 0 and got != want:
+            raise DataError(self.CHANGED)
+        self._skipped = (want, got) if self._skip else (None, 0)
 
     def state_dict(self):
         if self._states is None:  # nothing handed out yet (or only what we resumed past)
@@ -2026,12 +1999,8 @@ def _portable(error):
 # --- Mixing domains: OnlineMixer, learn_late, Mix -------------------------------------------------
 
 class OnlineMixer:
-    """Online Data Mixing (Albalak et al., 2023; DESIGN.md section 9): ``probabilities`` are the
-    ``weights`` until ``warmup_steps`` are done; then every ``update(losses, step)`` smooths the
-    rewards R with ``alpha`` and recomputes them over a floor eps_t = min(1/K, sqrt(ln K / (K t))):
-    ``exp3`` (the paper): R_i <- a R_i + (1 - a) L_i / p_i, p = (1 - K eps_t) softmax(eps_{t-1}
-    R) + eps_t; ``smoothed-mean`` (its code): R_i <- a R_i + (1 - a) exp(L_i), p_i = (1 - K
-    eps_t) R_i / sum_j R_j + eps_t. Its state is plain numbers, saved with Mix's."""
+    """Online Data Mixing (Albalak et al., 2023): ``probabilities`` are the ``weights`` until
+    ``warmup_steps`` are done, then each ``update`` applies ``variant``'s rule (DESIGN.md 9)."""
 
     def __init__(self, weights, *, variant="exp3", alpha=0.9, warmup_steps=0):
         if variant not in ("exp3", "smoothed-mean"):
@@ -2302,8 +2271,7 @@ def validation_set(pipelines, n, train_spec, val_spec, tagged=False, warn=True, 
 
 
 def counters(loader_state, into=None):
-    """A pipeline's counts so far, summed over its stages and sources: Files' bad records
-    ("skipped") and each stage's own ``counters`` state field ({name: number}; DESIGN.md 2)."""
+    """A pipeline's counts, summed over its stages: Files' "skipped", ``counters`` (DESIGN.md 2)."""
     into = {} if into is None else into
     for state in loader_state if isinstance(loader_state, list) else [loader_state]:  # (Mix)
         if isinstance(state, dict):
@@ -2492,8 +2460,7 @@ class Count(Stage):
 
 
 class Stride(Count):
-    """Every ``interval``-th sample from the ``offset``-th, read in blocks (DESIGN.md 4); its
-    state is Count's, the upstream samples read, and it says how to reshard it."""
+    """Every ``interval``-th sample from the ``offset``-th, read in blocks (DESIGN.md section 4)."""
 
     def __init__(self, src, interval, offset):
         if not 0 <= offset < interval:
@@ -2630,8 +2597,7 @@ class Concat(_Several):
 # -- The chained face: epochraft's API over the stages above (README, "Using data.py on its own")
 
 class CheckpointableDataset(torch.utils.data.IterableDataset):
-    """A recipe for a pipeline, chained with epochraft's names (DESIGN.md 2, "The chained face");
-    ``then(Stage, ...)`` adds a stage of your own."""
+    """A recipe for a pipeline, chained with epochraft's names (DESIGN.md 2, "The chained face")."""
 
     def __init__(self, build):
         self.build = build  # () -> a fresh pipeline
@@ -2691,9 +2657,7 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
         return self.then(ParallelMap, fn, max_workers=max_workers, ordered=ordered,
                          prefetch_factor=prefetch_factor, executor_type=executor_type)
 
-    def parallel_map(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
-                     executor_type="process"):
-        return self.parallel_filter_map(fn, max_workers, prefetch_factor, ordered, executor_type)
+    parallel_map = parallel_filter_map  # (ParallelMap drops a None, as FilterMap does)
 
     def parallel_filter(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
                         executor_type="process"):
