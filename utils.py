@@ -43,7 +43,6 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import tqdm
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 import data
@@ -138,10 +137,9 @@ def parse_mix(text):
     weights = {}
     for item in text.split(","):
         name, equals, value = item.partition("=")
-        try:
+        weight = None
+        with contextlib.suppress(ValueError):
             weight = float(value) if equals and name else None
-        except ValueError:
-            weight = None
         if weight is None:
             raise argparse.ArgumentTypeError(f"{item!r}: expected name=weight,name=weight,...")
         if not (math.isfinite(weight) and weight >= 0):
@@ -273,14 +271,13 @@ class Run:
         if taken:
             sys.exit(f"extra[{taken[0]!r}]: a checkpoint's {taken[0]}.pt (or {taken[0]}/) is "
                      "the kit's own; give your training state another name.")
-        world_size = ctx.world_size
         if args.resume_from:
             failed = None
             try:
                 data.first_read(loader)
             except data.DataError as e:
                 failed = e
-            if world_size > 1 and not all_ranks(failed is None, ctx.cpu_group) and not failed:
+            if any_rank(failed, ctx) and not failed:
                 sys.exit(f"rank {ctx.rank}: stopped, as another rank's data failed its check")
             if failed:
                 raise failed
@@ -296,14 +293,13 @@ class Run:
             discard_after(self.dir, self.state["global_step"], self.state.get("run_id"))
             if args.resume_from:  # state.json must not name a checkpoint just discarded
                 write_atomic(self.dir / "state.json", json.dumps(self.state, indent=2))
-        self.state["world_size"] = world_size
+        self.state["world_size"] = ctx.world_size
         self.training = True
 
 
 def open_run(args, parser, rank, world_size, script):
-    """The Run to train (fresh, or resumed), or None if it is done: the lock, train.log (with
-    the environment), the refusals of a changed flag of ``parser``'s fingerprint, where to
-    resume (DESIGN.md section 3). ``script``: recorded, its create_model rebuilds the model."""
+    """The Run to train (fresh, or resumed), or None if it is done: the lock, train.log, the
+    refusals, where to resume (DESIGN.md section 3); ``script`` is recorded (rebuild_model)."""
     global RUN
     logging.basicConfig(format=LOG_FORMAT.format(rank=rank),
                         level=logging.INFO if rank == 0 else logging.WARNING)
@@ -411,12 +407,11 @@ def fresh_state(args, exp_dir, config):
 def refuse_foreign_checkpoints(exp_dir, state):
     """Refuse to train beside checkpoints that another run saved (copied in by hand, named by
     their state.json's run_dir): the run deletes its own old checkpoints, never those."""
-    try:  # the run's own record, else (it is lost or torn) the checkpoint it resumes from
+    own = state.get("run_id")  # the checkpoint's, unless the run's own record is readable
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         root = json.loads((exp_dir / "state.json").read_text())
-        own = root.get("run_id") if {"global_step", "checkpoint", "config"} <= set(root) \
-            else state.get("run_id")
-    except (OSError, ValueError, TypeError, AttributeError):
-        own = state.get("run_id")
+        if {"global_step", "checkpoint", "config"} <= set(root):
+            own = root.get("run_id")
     foreign = {d.name: saved_by(d) for d in _step_dirs(exp_dir, complete=True).values()
                if saved_by(d)[0] != own}
     if foreign:
@@ -438,8 +433,7 @@ def saved_by(ckpt_dir):
 
 
 def is_done(args, exp_dir, state, why):
-    """Whether a run that resumes has nothing left to train (it says so), else it says where
-    it resumes from."""
+    """Whether a resumed run has nothing left to train: it logs why, or where it resumes."""
     where = f"{state['checkpoint']}{f' ({why})' if why else ''}"
     if state.get("data_exhausted"):
         LOGGER.info(f"{exp_dir} is done: its data ran out at step {state['global_step']} "
@@ -456,9 +450,8 @@ def is_done(args, exp_dir, state, why):
 
 
 def check_unchanged(args, parser, config, saved, when, world_size):
-    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
-    A flag of the fingerprint that ``saved`` lacks (added to the script after the run
-    started) counts as its default."""
+    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written; a
+    flag added to the script since then counts as its default (DESIGN.md section 3)."""
     saved = {name: parser.get_default(name) for name in parser.fingerprint} | saved
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
@@ -1164,11 +1157,10 @@ def set_collective_timeout(seconds):
 
 def rng_state(device):
     """Every global RNG state in types weights_only loads; on a GPU this rank's device's only."""
-    version, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    name, keys, *rest = np.random.get_state()  # rest: position, the cached gaussian
     return {
         "python": random.getstate(),  # a tuple of ints
-        "numpy": (version, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
-                  cached_gaussian),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
@@ -1176,9 +1168,8 @@ def rng_state(device):
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
-                         cached_gaussian))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])  # the current device's
@@ -1290,10 +1281,10 @@ def _local(value):
     that exist escaped (a kit in kit[1]/: its data/sample/*/, not a glob's "k, i, t or 1")."""
     if not value or "://" in value:
         return None
-    slash = "/" if value.endswith("/") else ""
-    if os.path.exists(value):
-        return os.path.abspath(value) + slash
+    slash = "/" if value.endswith("/") else ""  # (abspath drops it)
     path = head = os.path.abspath(value) + slash
+    if os.path.exists(value):
+        return path
     while not os.path.isdir(head):
         head = os.path.dirname(head)
     for pattern in (glob.escape(head) + path[len(head):], path):
@@ -1334,7 +1325,7 @@ def pretrained(cls, name, what, **kwargs):
     try:
         loaded = cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e) or type(e).__name__
         if os.path.exists(name):
             raise OSError(f"{what} {name}: a local directory that does not load ({first})") \
                 from e
@@ -1367,7 +1358,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-class DirectFile:
+class DirectFile(contextlib.AbstractContextManager):
     """A file written past the page cache (O_DIRECT; how and why: DESIGN.md section 3), the
     last block padded with zeros and the file truncated back."""
 
@@ -1432,9 +1423,6 @@ class DirectFile:
 
     def fileno(self):
         return self.fd
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.writer.shutdown(wait=True)  # never a write in flight on a closed descriptor
@@ -1501,8 +1489,7 @@ def write_atomic(path, text):
 def _step_dirs(exp_dir, complete=False):
     """{step: directory} of the checkpoints named as the kit names them (step-000400: a copy
     named step-400 is never deleted); ``complete``: those that carry their run state."""
-    root = exp_dir / "checkpoints"
-    named = {d.name[5:]: d for d in root.glob("step-*")} if root.exists() else {}
+    named = {d.name[5:]: d for d in (exp_dir / "checkpoints").glob("step-*")}
     return {int(n): d for n, d in named.items() if n.isascii() and n.isdigit() and
             n == f"{int(n):06d}" and (not complete or (d / "state.json").exists())}
 
@@ -1550,7 +1537,7 @@ def save_checkpoint(run, files, writer, keep, rank):
     state["checkpoint"] = name  # complete once the writer is done (writer.wait)
 
 
-class CheckpointReader:
+class CheckpointReader(contextlib.AbstractContextManager):
     """The checkpoint a run resumes from (``with CheckpointReader(run, ctx) as ckpt:``); a file
     that does not load is one paragraph (DESIGN.md section 3), one that does is never damaged."""
 
@@ -1607,9 +1594,6 @@ class CheckpointReader:
         name = RNG_FILE.format(self.ctx.rank)
         return self.load(name if (self.dir / name).exists() else RNG_FILE.format(0), "cpu")
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, kind, error, traceback):
         if isinstance(error, data.FilesChanged):  # the same flags, other files
             sys.exit(f"Cannot resume from {self.dir}: the files of --dataset changed since it "
@@ -1634,7 +1618,7 @@ class CheckpointReader:
 
 # What a checkpoint file that does not load raises (dcp's is a BaseException).
 LOAD_ERRORS = (OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError,
-               CheckpointException)
+               dcp.CheckpointException)
 
 
 def first_line(error):
