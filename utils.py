@@ -36,6 +36,7 @@ import threading
 import time
 import traceback
 import uuid
+import zlib
 from pathlib import Path
 
 import braceexpand
@@ -253,8 +254,7 @@ class Run:
         self.created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
                                     *exp_dir.parents) if not p.exists()]
         exp_dir.mkdir(parents=True, exist_ok=True)
-        # Locked for as long as this process lives (two runs there would overwrite each other);
-        # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
+        # Locked while this process lives: the kernel drops it however it dies; forks let go.
         self.lock_file = open(exp_dir / ".lock", "w")
         os.register_at_fork(after_in_child=self.lock_file.close)
         try:
@@ -322,8 +322,7 @@ def open_run(args, parser, rank, world_size, script):
     else:
         refuse_foreign_checkpoints(exp_dir, state)
         # The run's config, then its checkpoint's own (one copied in from elsewhere: refused).
-        check_unchanged(args, parser, config, state["config"],
-                        f"{exp_dir} was started", world_size)
+        check_unchanged(args, parser, config, state["config"], f"{exp_dir} was started", world_size)
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
             check_unchanged(args, parser, config, json.loads(own.read_text())["config"],
@@ -445,9 +444,8 @@ def is_done(args, exp_dir, state, why):
 
 
 def check_unchanged(args, parser, config, saved, when, world_size):
-    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written.
-    A flag of the fingerprint that ``saved`` lacks (added to the script after the run
-    started) counts as its default."""
+    """Refuse to resume with a flag that shapes the run changed since ``saved`` was written; one
+    of the fingerprint that ``saved`` lacks (added to the script later) counts as its default."""
     saved = {name: parser.get_default(name) for name in parser.fingerprint} | saved
     for name, value in saved.items():
         if name in ("prompt_format", "mix_weights"):  # found in the data --dataset pins
@@ -509,8 +507,7 @@ def file_digests(args):
 def log_to_file(path, rank):
     """Everything logged also goes to ``path`` (appended across resumes), and so does the
     traceback of a failure that the console shows as one paragraph (cli)."""
-    # A log file that cannot be written any more (a full disk) is skipped: without a
-    # "--- Logging error ---" traceback per record; the console still has every line.
+    # A log file that cannot be written (a full disk) is skipped, without a traceback per record.
     logging.raiseExceptions = False
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
@@ -538,8 +535,7 @@ def start_wandb(flags, run_id, exp_dir):
     import wandb
     try:
         return wandb.init(project=flags["wandb_project"], name=flags["experiment_name"],
-                          id=run_id, resume="allow", dir=exp_dir, config=flags,
-                          mode=flags["wandb"])
+                          id=run_id, resume="allow", dir=exp_dir, config=flags, mode=flags["wandb"])
     except (wandb.errors.Error, ValueError) as e:
         raise OSError(f"--wandb {flags['wandb']}: Weights & Biases did not start ("
                       f"{' '.join(str(e).split())[:300]}). Check the WANDB_* environment "
@@ -548,9 +544,8 @@ def start_wandb(flags, run_id, exp_dir):
 
 
 def wandb_holds(run, exp_dir):
-    """The last step that the wandb run ``run`` holds as this start begins: online, the
-    server says; offline, its earlier segments here (`wandb sync` uploads them as one run),
-    each read as far as a killed wandb wrote it."""
+    """The last step the wandb run ``run`` holds as this start begins: online, the server says;
+    offline, what wandb_records reads of its earlier segments here (`wandb sync` joins them)."""
     if not run.offline:
         return max(run.starting_step - 1, 0)
     from wandb.proto.wandb_internal_pb2 import Record
@@ -562,21 +557,30 @@ def wandb_holds(run, exp_dir):
 
 
 def wandb_records(path, record):
-    """The records of a wandb transaction log: LevelDB's log format, 32 KiB blocks of chunks
-    with a 7-byte header each, after the file's own 7 bytes; up to the first torn chunk."""
+    """The records of a wandb transaction log (LevelDB's format: 32 KiB blocks of chunks, each
+    with a CRC-32, length and type, after the file's own 7 bytes), up to a kill's torn chunk; a
+    damaged chunk costs the rest of its block (as LevelDB reads it) and one warning."""
     data = path.read_bytes() if path.exists() else b""
-    at, part = 7, b""
+    at, part, damaged = 7, None, None
     while at + 7 <= len(data):
-        if 32768 - at % 32768 < 7:  # a block's tail too short for a header is padding
-            at += 32768 - at % 32768
+        room = 32768 - at % 32768
+        if room < 7:  # a block's tail too short for a header is padding
+            at += room
             continue
-        length, kind = struct.unpack("<HB", data[at + 4:at + 7])
-        if kind == 0 or at + 7 + length > len(data):  # zeros, or cut off by a kill
-            return
-        part, at = part + data[at + 7:at + 7 + length], at + 7 + length
-        if kind in (1, 4):  # a whole record, or a record's last chunk
+        crc, length, kind = struct.unpack("<IHB", data[at:at + 7])
+        end = at + 7 + length
+        if end > len(data) and 7 + length <= room or kind == 0 and not data[at:].strip(b"\0"):
+            break  # cut off by a kill, or zeros to the end
+        if 7 + length > room or kind > 4 or zlib.crc32(data[at + 6:end]) != crc:
+            damaged, part, at = damaged or at, None, at + room
+            continue
+        chunk, at = data[at + 7:end], end
+        part = chunk if kind in (1, 2) else None if part is None else part + chunk
+        if kind in (1, 4) and part is not None:  # a whole record, or a record's last chunk
             yield record.FromString(part)
-            part = b""
+    if damaged:
+        LOGGER.warning(f"{path} is damaged at byte {damaged}: the wandb records there are "
+                       "skipped, the others read (the file is left as it is)")
 
 
 def metric_lines(path):
@@ -602,14 +606,12 @@ class MetricsLog:
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
-            # The run id is kept in state.json, so a resumed run continues the same curve.
-            try:
+            try:  # (the id in state.json: a resumed run goes on with the same curve)
                 run = start_wandb(vars(args), state["wandb_run_id"], exp_dir)
             except OSError as e:
                 sys.exit(f"{e} Nothing was changed.")
             state["wandb_run_id"], self.held = run.id, wandb_holds(run, exp_dir)
-            # Every step once: what wandb lost of a killed start is sent again from
-            # metrics.jsonl; what it holds past the checkpoint is not sent twice (send).
+            # Every step once: what wandb lost is sent again, what it holds not twice (send).
             self.unsent = [r for _, r in metric_lines(self.path)
                            if r and self.held < r["step"] <= state["global_step"]]
             self.send()
@@ -793,8 +795,7 @@ def expected_failure(error):
     elif RUN.dir.is_dir() and _step_dirs(RUN.dir, complete=True):
         stopped = "Stopped; the last checkpoint is untouched"
     else:
-        stopped = "Stopped before training began" if before else \
-            "Stopped before the first checkpoint"
+        stopped = "Stopped before " + ("training began" if before else "the first checkpoint")
     if peer_gone(error):  # the rank that failed says why in its own paragraph
         return (f"rank {os.environ.get('RANK', 0)}: stopped because another rank failed or "
                 "stopped answering (see its message; --debug shows this rank's traceback)")
@@ -896,34 +897,20 @@ def memory_stats(device):
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return {
-            "mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
-            "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
-            # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
-            "mem/alloc_retries": stats["num_alloc_retries"],
-            "mem/ooms": stats["num_ooms"],
-        }
+        return {"mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
+                "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
+                # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
+                "mem/alloc_retries": stats["num_alloc_retries"], "mem/ooms": stats["num_ooms"]}
     # On CPU: the peak resident set size of the process (kilobytes on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mem/peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GiB}
 
 
-# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity), matched against the
-# device's name in this order: specific names first ("H100 NVL" before "H100", "L40S" before "L4").
-PEAK_BF16_FLOPS = {
-    "B200": 2250e12,
-    "GH200": 989e12,
-    "H200 NVL": 835e12,
-    "H200": 989e12,  # SXM
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "RTX 4090": 165e12,
-}
+# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity; H200, H100: SXM),
+# matched against the device's name in this order: specific names first ("H100 NVL" before "H100").
+PEAK_BF16_FLOPS = {"B200": 2250e12, "GH200": 989e12, "H200 NVL": 835e12, "H200": 989e12,
+                   "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12}
 
 
 def format_metrics(m):
@@ -1147,28 +1134,24 @@ def rng_state(device):
     """Every global RNG state, in types that torch.load(weights_only=True) accepts. On a GPU
     only this rank's device: reading all of them would touch every GPU from every rank."""
     version, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    return {
-        "python": random.getstate(),  # a tuple of ints
-        "numpy": (version, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
-                  cached_gaussian),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
+    return {"python": random.getstate(),  # a tuple of ints
+            "numpy": (version, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                      cached_gaussian),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_rng_state(state):
     random.setstate(state["python"])
     version, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss,
-                         cached_gaussian))
+    np.random.set_state((version, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])  # the current device's
 
 
 def states(objs):
-    """The state_dict() of each of ``objs`` (optimizers, schedules): of one alone, as a plain
-    torch.optim checkpoint holds it; of several, a list."""
+    """The state_dict()s of ``objs`` (optimizers, schedules): a list; one's as torch.optim's."""
     return objs[0].state_dict() if len(objs) == 1 else [obj.state_dict() for obj in objs]
 
 
@@ -1187,8 +1170,7 @@ def load_states(objs, saved, name):
 
 def unwrap(model):
     """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
-        else model
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def parameter_count(model):
@@ -1209,9 +1191,8 @@ def aux_loss_weight(model):
 
 
 def check_model(model, tokenizer, args, trained=None):
-    """What the tokenizer, --seq-length and the flags need of the model, checked before any
-    training (``trained``: the tokenizer --init-from's run was trained with); a model of your
-    own (create_model) is told what needs transformers."""
+    """What the tokenizer, --seq-length and the flags need of the model, checked before training
+    (``trained``: --init-from's tokenizer); a model of your own is told what needs transformers."""
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = False  # training never reads a KV cache: none is built
@@ -1312,9 +1293,8 @@ def damaged(ckpt_dir, path, error, resume=False):
 
 
 def pretrained(cls, name, what, **kwargs):
-    """``cls.from_pretrained(name)`` with one clear error when ``name`` is neither a local
-    directory nor a Hub name that loads. A name that can only be a path (only_a_path) is not
-    sent to the Hub: it would only wait for the network to fail."""
+    """``cls.from_pretrained(name)``, one clear error when ``name`` is neither a local directory
+    nor a Hub name that loads; one that can only be a path (only_a_path) never goes to the Hub."""
     if only_a_path(name):
         raise FileNotFoundError(f"{what} {name}: no such file or directory (looked from "
                                 f"{os.getcwd()}; a name that begins with a directory there is "
@@ -1324,8 +1304,7 @@ def pretrained(cls, name, what, **kwargs):
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if os.path.exists(name):
-            raise OSError(f"{what} {name}: a local directory that does not load ({first})") \
-                from e
+            raise OSError(f"{what} {name}: a local directory that does not load ({first})") from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
     if hasattr(loaded, "get_vocab") and len(loaded) < 2:  # (a model's directory, say)
@@ -1399,8 +1378,7 @@ class DirectFile:
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
                 if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
                     raise
-                # A file system that opens with O_DIRECT but wants other alignments (some
-                # network and parallel ones): the rest goes through the page cache.
+                # O_DIRECT opened, other alignments wanted (some network file systems): cached
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
     def _wait(self):
@@ -1427,8 +1405,7 @@ class DirectFile:
 
     def __exit__(self, *exc):
         self.writer.shutdown(wait=True)  # never a write in flight on a closed descriptor
-        os.close(self.fd)  # (the buffers go with the object: a failed write's traceback may
-                           # still hold a view of one, so they are not closed here)
+        os.close(self.fd)  # (not the buffers: a failed write's traceback may hold a view)
 
 
 def _write_file(path, write):
@@ -1506,8 +1483,7 @@ def checkpoint_writer(mode, ctx):
     (BackgroundWriter, its barriers on a gloo group of its own), or this one (sync)."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
-        group = torch.distributed.new_group(backend="gloo",
-                                            timeout=datetime.timedelta(minutes=30))
+        group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
     sync = mode == "sync" or (mode == "auto" and ctx.device.type != "cuda")
     return BackgroundWriter(sync=sync, pinned=ctx.device.type == "cuda", group=group,
                             log=LOGGER.info)
@@ -1532,8 +1508,7 @@ def save_checkpoint(run, files, writer, keep, rank):
             shards = files.pop("dcp")
             files["dcp"] = lambda path: dcp.save(shards, checkpoint_id=path,
                                                  process_group=writer.group)
-        write_checkpoint(run.dir, step, files, saved, keep=keep, rank=rank,
-                         barrier=writer.barrier)
+        write_checkpoint(run.dir, step, files, saved, keep=keep, rank=rank, barrier=writer.barrier)
 
     writer.submit(name, write, files)
     state["checkpoint"] = name  # complete once the writer is done (writer.wait)
@@ -1652,8 +1627,7 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
     if rank == 0:
         # Its own run state: a run whose state.json is lost or torn resumes from it alone.
         _write_file(tmp / "state.json", lambda f: f.write(json.dumps(state, indent=2).encode()))
-        # (one of this name is left by a killed save that state.json never named)
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # (a killed save's that state.json never named)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
         write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
@@ -1755,8 +1729,7 @@ def run_state(exp_dir, resume_from=None):
     complete = _step_dirs(exp_dir, complete=True)
     if resume_from:
         path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it
-        if Path(resume_from).name != resume_from and \
-                Path(resume_from).resolve() != path.resolve():
+        if Path(resume_from).name != resume_from and Path(resume_from).resolve() != path.resolve():
             sys.exit(f"--resume-from {resume_from}: not a checkpoint of {exp_dir}; pass one of "
                      f"its own (e.g. {path.name}).")
         if not (path / "state.json").exists():
