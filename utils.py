@@ -18,6 +18,7 @@ import glob
 import hashlib
 import itertools
 import json
+import linecache
 import logging
 import math
 import mmap
@@ -311,6 +312,10 @@ def open_run(args, parser, rank, world_size, script):
     RUN = run = Run(exp_dir, rank)  # (rank 0: the directory made, locked, logged to)
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
     FILE_LOG.info(f"Environment: {environment()}")  # (train.log alone)
+    if (limit := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
+        LOGGER.warning(f"ulimit -v: this process may map {limit / GiB:.2f} GiB, every mapping "
+                       "counted; an allocation refused in the tokenizer (Rust) aborts it at once "
+                       "(\"memory allocation of N bytes failed\"): then raise the limit")
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
     config = {name: getattr(args, name) for name in parser.fingerprint}
@@ -799,6 +804,8 @@ def expected_failure(error):
     if peer_gone(error):  # the rank that failed says why in its own paragraph
         return (f"rank {os.environ.get('RANK', 0)}: stopped because another rank failed or "
                 "stopped answering (see its message; --debug shows this rank's traceback)")
+    if memory := out_of_memory(error, stopped):
+        return memory
     if isinstance(error, (data.DataError, OSError)):  # bad data, a file, a full disk
         where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
@@ -808,13 +815,33 @@ def expected_failure(error):
             traceback.extract_tb(error.__traceback__)[-1:]):
         return (f"The model's config is one transformers cannot build: {error} (--model-name, "
                 f"or --init-from's config.json)\n({stopped}.)")
-    # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
-    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
-        return (f"Out of memory: {str(error).strip().splitlines()[-1][:300]}\n({stopped}. "
-                "Halve --batch-size and double --grad-accum: the global batch, and so the "
-                "run, stays the same. Or pass --activation-checkpointing, or a smaller "
-                "--seq-length.)")
     return None
+
+
+def out_of_memory(error, stopped):
+    """The paragraph of an allocation that failed, or None: what was asked for, where (the kit's
+    innermost frame), the limit it ran into (ulimit -v counts every mapping), the way on."""
+    text = (str(error).strip() or type(error).__name__).splitlines()[-1][:300]
+    gpu = isinstance(error, torch.OutOfMemoryError)  # (on the CPU torch's is a RuntimeError)
+    if isinstance(error, RuntimeError) and "can't start new thread" in text:
+        text = f"a new thread's stack could not be allocated ({text})"
+    elif not (gpu or "can't allocate memory" in text or isinstance(error, (
+            MemoryError, OSError)) and getattr(error, "errno", errno.ENOMEM) == errno.ENOMEM):
+        return None
+    for code, line in [(f.f_code, n) for f, n in traceback.walk_tb(error.__traceback__)
+                       if Path(f.f_code.co_filename).resolve().parent == KIT][-1:]:
+        name, qualname = Path(code.co_filename), getattr(code, "co_qualname", code.co_name)
+        if "mmap(" in linecache.getline(code.co_filename, line):
+            text = f"a shared memory mapping could not be made ({text})"
+        text += f", in {name.stem}.{qualname} ({name.name}:{line})"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    way = "Use less memory" if gpu or limit == resource.RLIM_INFINITY else (
+        f"This process may map {limit / GiB:.2f} GiB at most (ulimit -v), every mapping "
+        "counted (threads' stacks, shared memory), not only memory in use: raise that limit (a "
+        "container's memory limit bounds the memory itself), or use less")
+    return (f"Out of memory: {text}.\n({stopped}. {way}: halve --batch-size and double "
+            "--grad-accum (the global batch, and so the run, stays the same), or pass "
+            "--activation-checkpointing, or a smaller --seq-length.)")
 
 
 def peer_gone(error):
