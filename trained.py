@@ -149,7 +149,7 @@ def from_checkpoint(ckpt_dir, script=None):
         name = "dcp" if (ckpt_dir / "dcp").is_dir() else "model.pt"
         raise OSError(utils.damaged(ckpt_dir, ckpt_dir / name, e)) from e
     if config.get("init_from") and not script:  # the architecture it started from
-        model = load_trained(config["init_from"])[0]
+        model = load_trained(init_source(ckpt_dir, config))[0]
         builder = f"the model of --init-from {config['init_from']}"
     else:
         script = script or saved["script"]
@@ -166,6 +166,22 @@ def from_checkpoint(ckpt_dir, script=None):
                           "source's model, and this one was changed after that (adapters?): "
                           "pass --script with a script whose create_model builds it.")) from e
     return model, config, ckpt_dir
+
+
+def init_source(ckpt_dir, config):
+    """The --init-from source that a run started from it is rebuilt as (from_checkpoint); one
+    moved or deleted since is a FileNotFoundError that says so and what to do."""
+    source = config["init_from"]
+    if not utils.only_a_path(source):  # (there, or a Hub name)
+        return source
+    tokenizer = Path(config["tokenizer"]).is_relative_to(source)  # (an hf/ source's own)
+    raise FileNotFoundError(
+        f"{ckpt_dir} is of a run that started from {source} (--init-from), which is gone "
+        "(moved or deleted): such a run's model is built as its source's, the architecture "
+        "read from there" + (", and its tokenizer is the source's too" if tokenizer else "")
+        + f". Put {source} back (or a link to where it is now)" + ("." if tokenizer else
+        ", or pass --script with a training script whose create_model builds the source's "
+        "architecture (the kit's create_model builds --model-name's, not the source's)."))
 
 
 def misfit(expected, state):

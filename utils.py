@@ -18,6 +18,7 @@ import glob
 import hashlib
 import itertools
 import json
+import linecache
 import logging
 import math
 import mmap
@@ -36,6 +37,7 @@ import threading
 import time
 import traceback
 import uuid
+import zlib
 from pathlib import Path
 
 import braceexpand
@@ -251,8 +253,7 @@ class Run:
         self.created = [p for p in (exp_dir / "train.log", exp_dir / ".lock", exp_dir,
                                     *exp_dir.parents) if not p.exists()]
         exp_dir.mkdir(parents=True, exist_ok=True)
-        # Locked for as long as this process lives (two runs there would overwrite each other);
-        # the kernel drops the lock however it dies, and its forks (data.Prefetch) let it go.
+        # Locked while this process lives: the kernel drops it however it dies; forks let go.
         self.lock_file = open(exp_dir / ".lock", "w")
         os.register_at_fork(after_in_child=self.lock_file.close)
         try:
@@ -307,6 +308,10 @@ def open_run(args, parser, rank, world_size, script):
     RUN = run = Run(exp_dir, rank)  # (rank 0: the directory made, locked, logged to)
     LOGGER.info(f"{shlex.join(sys.argv)}\n{args}")  # train.log: each start's command, flags
     FILE_LOG.info(f"Environment: {environment()}")  # (train.log alone)
+    if (limit := resource.getrlimit(resource.RLIMIT_AS)[0]) != resource.RLIM_INFINITY:
+        LOGGER.warning(f"ulimit -v: this process may map {limit / GiB:.2f} GiB, every mapping "
+                       "counted; an allocation refused in the tokenizer (Rust) aborts it at once "
+                       "(\"memory allocation of N bytes failed\"): then raise the limit")
     if "LOCAL_RANK" in os.environ:  # every rank dies with torchrun, never orphaned
         die_with_parent()
     config = {name: getattr(args, name) for name in parser.fingerprint}
@@ -318,8 +323,7 @@ def open_run(args, parser, rank, world_size, script):
     else:
         refuse_foreign_checkpoints(exp_dir, state)
         # The run's config, then its checkpoint's own (one copied in from elsewhere: refused).
-        check_unchanged(args, parser, config, state["config"],
-                        f"{exp_dir} was started", world_size)
+        check_unchanged(args, parser, config, state["config"], f"{exp_dir} was started", world_size)
         own = exp_dir / state["checkpoint"] / "state.json"
         if own.exists():
             check_unchanged(args, parser, config, json.loads(own.read_text())["config"],
@@ -513,8 +517,7 @@ def file_digests(args):
 def log_to_file(path, rank):
     """Everything logged also goes to ``path`` (appended across resumes), and so does the
     traceback of a failure that the console shows as one paragraph (cli)."""
-    # A log file that cannot be written any more (a full disk) is skipped: without a
-    # "--- Logging error ---" traceback per record; the console still has every line.
+    # A log file that cannot be written (a full disk) is skipped, without a traceback per record.
     logging.raiseExceptions = False
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
@@ -542,8 +545,7 @@ def start_wandb(flags, run_id, exp_dir):
     import wandb
     try:
         return wandb.init(project=flags["wandb_project"], name=flags["experiment_name"],
-                          id=run_id, resume="allow", dir=exp_dir, config=flags,
-                          mode=flags["wandb"])
+                          id=run_id, resume="allow", dir=exp_dir, config=flags, mode=flags["wandb"])
     except (wandb.errors.Error, ValueError) as e:
         raise OSError(f"--wandb {flags['wandb']}: Weights & Biases did not start ("
                       f"{' '.join(str(e).split())[:300]}). Check the WANDB_* environment "
@@ -552,9 +554,8 @@ def start_wandb(flags, run_id, exp_dir):
 
 
 def wandb_holds(run, exp_dir):
-    """The last step that the wandb run ``run`` holds as this start begins: online, the
-    server says; offline, its earlier segments here (`wandb sync` uploads them as one run),
-    each read as far as a killed wandb wrote it."""
+    """The last step the wandb run ``run`` holds as this start begins: online, the server says;
+    offline, what wandb_records reads of its earlier segments here (`wandb sync` joins them)."""
     if not run.offline:
         return max(run.starting_step - 1, 0)
     from wandb.proto.wandb_internal_pb2 import Record
@@ -566,21 +567,30 @@ def wandb_holds(run, exp_dir):
 
 
 def wandb_records(path, record):
-    """The records of a wandb transaction log: LevelDB's log format, 32 KiB blocks of chunks
-    with a 7-byte header each, after the file's own 7 bytes; up to the first torn chunk."""
+    """The records of a wandb transaction log (LevelDB's format: 32 KiB blocks of chunks, each
+    with a CRC-32, length and type, after the file's own 7 bytes), up to a kill's torn chunk; a
+    damaged chunk costs the rest of its block (as LevelDB reads it) and one warning."""
     data = path.read_bytes() if path.exists() else b""
-    at, part = 7, b""
+    at, part, damaged = 7, None, None
     while at + 7 <= len(data):
-        if 32768 - at % 32768 < 7:  # a block's tail too short for a header is padding
-            at += 32768 - at % 32768
+        room = 32768 - at % 32768
+        if room < 7:  # a block's tail too short for a header is padding
+            at += room
             continue
-        length, kind = struct.unpack("<HB", data[at + 4:at + 7])
-        if kind == 0 or at + 7 + length > len(data):  # zeros, or cut off by a kill
-            return
-        part, at = part + data[at + 7:at + 7 + length], at + 7 + length
-        if kind in (1, 4):  # a whole record, or a record's last chunk
+        crc, length, kind = struct.unpack("<IHB", data[at:at + 7])
+        end = at + 7 + length
+        if end > len(data) and 7 + length <= room or kind == 0 and not data[at:].strip(b"\0"):
+            break  # cut off by a kill, or zeros to the end
+        if 7 + length > room or kind > 4 or zlib.crc32(data[at + 6:end]) != crc:
+            damaged, part, at = damaged or at, None, at + room
+            continue
+        chunk, at = data[at + 7:end], end
+        part = chunk if kind in (1, 2) else None if part is None else part + chunk
+        if kind in (1, 4) and part is not None:  # a whole record, or a record's last chunk
             yield record.FromString(part)
-            part = b""
+    if damaged:
+        LOGGER.warning(f"{path} is damaged at byte {damaged}: the wandb records there are "
+                       "skipped, the others read (the file is left as it is)")
 
 
 def metric_lines(path):
@@ -606,14 +616,12 @@ class MetricsLog:
         if rank == 0 and args.wandb != "disabled":
             import wandb  # here, not at the top: a second of start-up that most tests skip
             self.wandb = wandb
-            # The run id is kept in state.json, so a resumed run continues the same curve.
-            try:
+            try:  # (the id in state.json: a resumed run goes on with the same curve)
                 run = start_wandb(vars(args), state["wandb_run_id"], exp_dir)
             except OSError as e:
                 sys.exit(f"{e} Nothing was changed.")
             state["wandb_run_id"], self.held = run.id, wandb_holds(run, exp_dir)
-            # Every step once: what wandb lost of a killed start is sent again from
-            # metrics.jsonl; what it holds past the checkpoint is not sent twice (send).
+            # Every step once: what wandb lost is sent again, what it holds not twice (send).
             self.unsent = [r for _, r in metric_lines(self.path)
                            if r and self.held < r["step"] <= state["global_step"]]
             self.send()
@@ -797,11 +805,12 @@ def expected_failure(error):
     elif RUN.dir.is_dir() and _step_dirs(RUN.dir, complete=True):
         stopped = "Stopped; the last checkpoint is untouched"
     else:
-        stopped = "Stopped before training began" if before else \
-            "Stopped before the first checkpoint"
+        stopped = "Stopped before " + ("training began" if before else "the first checkpoint")
     if peer_gone(error):  # the rank that failed says why in its own paragraph
         return (f"rank {os.environ.get('RANK', 0)}: stopped because another rank failed or "
                 "stopped answering (see its message; --debug shows this rank's traceback)")
+    if memory := out_of_memory(error, stopped):
+        return memory
     if isinstance(error, (data.DataError, OSError)):  # bad data, a file, a full disk
         where = "--debug" if before else "--debug, or rank 0's train.log,"
         return (f"{type(error).__name__}: {error}\n({stopped}. {where} shows where this came "
@@ -811,13 +820,33 @@ def expected_failure(error):
             traceback.extract_tb(error.__traceback__)[-1:]):
         return (f"The model's config is one transformers cannot build: {error} (--model-name, "
                 f"or --init-from's config.json)\n({stopped}.)")
-    # A failed allocation: torch.OutOfMemoryError on a GPU, a RuntimeError on the CPU.
-    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
-        return (f"Out of memory: {str(error).strip().splitlines()[-1][:300]}\n({stopped}. "
-                "Halve --batch-size and double --grad-accum: the global batch, and so the "
-                "run, stays the same. Or pass --activation-checkpointing, or a smaller "
-                "--seq-length.)")
     return None
+
+
+def out_of_memory(error, stopped):
+    """The paragraph of an allocation that failed, or None: what was asked for, where (the kit's
+    innermost frame), the limit it ran into (ulimit -v counts every mapping), the way on."""
+    text = (str(error).strip() or type(error).__name__).splitlines()[-1][:300]
+    gpu = isinstance(error, torch.OutOfMemoryError)  # (on the CPU torch's is a RuntimeError)
+    if isinstance(error, RuntimeError) and "can't start new thread" in text:
+        text = f"a new thread's stack could not be allocated ({text})"
+    elif not (gpu or "can't allocate memory" in text or isinstance(error, (
+            MemoryError, OSError)) and getattr(error, "errno", errno.ENOMEM) == errno.ENOMEM):
+        return None
+    for code, line in [(f.f_code, n) for f, n in traceback.walk_tb(error.__traceback__)
+                       if Path(f.f_code.co_filename).resolve().parent == KIT][-1:]:
+        name, qualname = Path(code.co_filename), getattr(code, "co_qualname", code.co_name)
+        if "mmap(" in linecache.getline(code.co_filename, line):
+            text = f"a shared memory mapping could not be made ({text})"
+        text += f", in {name.stem}.{qualname} ({name.name}:{line})"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    way = "Use less memory" if gpu or limit == resource.RLIM_INFINITY else (
+        f"This process may map {limit / GiB:.2f} GiB at most (ulimit -v), every mapping "
+        "counted (threads' stacks, shared memory), not only memory in use: raise that limit (a "
+        "container's memory limit bounds the memory itself), or use less")
+    return (f"Out of memory: {text}.\n({stopped}. {way}: halve --batch-size and double "
+            "--grad-accum (the global batch, and so the run, stays the same), or pass "
+            "--activation-checkpointing, or a smaller --seq-length.)")
 
 
 def peer_gone(error):
@@ -899,34 +928,20 @@ def memory_stats(device):
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return {
-            "mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
-            "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
-            # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
-            "mem/alloc_retries": stats["num_alloc_retries"],
-            "mem/ooms": stats["num_ooms"],
-        }
+        return {"mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
+                "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
+                # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
+                "mem/alloc_retries": stats["num_alloc_retries"], "mem/ooms": stats["num_ooms"]}
     # On CPU: the peak resident set size of the process (kilobytes on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mem/peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GiB}
 
 
-# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity), matched against the
-# device's name in this order: specific names first ("H100 NVL" before "H100", "L40S" before "L4").
-PEAK_BF16_FLOPS = {
-    "B200": 2250e12,
-    "GH200": 989e12,
-    "H200 NVL": 835e12,
-    "H200": 989e12,  # SXM
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "RTX 4090": 165e12,
-}
+# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity; H200, H100: SXM),
+# matched against the device's name in this order: specific names first ("H100 NVL" before "H100").
+PEAK_BF16_FLOPS = {"B200": 2250e12, "GH200": 989e12, "H200 NVL": 835e12, "H200": 989e12,
+                   "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12}
 
 
 def format_metrics(m):
@@ -1195,8 +1210,7 @@ def load_states(objs, saved, name):
 
 def unwrap(model):
     """The model itself, without DDP's wrapper: its state_dict() keys are the plain ones."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) \
-        else model
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def parameter_count(model):
@@ -1327,8 +1341,7 @@ def pretrained(cls, name, what, **kwargs):
     except (OSError, ValueError) as e:  # ValueError: huggingface_hub's HFValidationError
         first = first_line(e) or type(e).__name__
         if os.path.exists(name):
-            raise OSError(f"{what} {name}: a local directory that does not load ({first})") \
-                from e
+            raise OSError(f"{what} {name}: a local directory that does not load ({first})") from e
         raise OSError(f"{what} {name!r}: not a local directory, and loading it as a Hugging "
                       f"Face Hub name failed ({first})") from e
     if hasattr(loaded, "get_vocab") and len(loaded) < 2:  # (a model's directory, say)
@@ -1401,8 +1414,7 @@ class DirectFile(contextlib.AbstractContextManager):
                 flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
                 if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
                     raise
-                # A file system that opens with O_DIRECT but wants other alignments (some
-                # network and parallel ones): the rest goes through the page cache.
+                # O_DIRECT opened, other alignments wanted (some network file systems): cached
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
 
     def _wait(self):
@@ -1426,8 +1438,7 @@ class DirectFile(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc):
         self.writer.shutdown(wait=True)  # never a write in flight on a closed descriptor
-        os.close(self.fd)  # (the buffers go with the object: a failed write's traceback may
-                           # still hold a view of one, so they are not closed here)
+        os.close(self.fd)  # (not the buffers: a failed write's traceback may hold a view)
 
 
 def _write_file(path, write):
@@ -1504,8 +1515,7 @@ def checkpoint_writer(mode, ctx):
     (BackgroundWriter, its barriers on a gloo group of its own), or this one (sync)."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
-        group = torch.distributed.new_group(backend="gloo",
-                                            timeout=datetime.timedelta(minutes=30))
+        group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
     sync = mode == "sync" or (mode == "auto" and ctx.device.type != "cuda")
     return BackgroundWriter(sync=sync, pinned=ctx.device.type == "cuda", group=group,
                             log=LOGGER.info)
@@ -1530,8 +1540,7 @@ def save_checkpoint(run, files, writer, keep, rank):
             shards = files.pop("dcp")
             files["dcp"] = lambda path: dcp.save(shards, checkpoint_id=path,
                                                  process_group=writer.group)
-        write_checkpoint(run.dir, step, files, saved, keep=keep, rank=rank,
-                         barrier=writer.barrier)
+        write_checkpoint(run.dir, step, files, saved, keep=keep, rank=rank, barrier=writer.barrier)
 
     writer.submit(name, write, files)
     state["checkpoint"] = name  # complete once the writer is done (writer.wait)
@@ -1647,8 +1656,7 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
     if rank == 0:
         # Its own run state: a run whose state.json is lost or torn resumes from it alone.
         _write_file(tmp / "state.json", lambda f: f.write(json.dumps(state, indent=2).encode()))
-        # (one of this name is left by a killed save that state.json never named)
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # (a killed save's that state.json never named)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
         write_atomic(exp_dir / "state.json", json.dumps(state, indent=2))
@@ -1750,8 +1758,7 @@ def run_state(exp_dir, resume_from=None):
     complete = _step_dirs(exp_dir, complete=True)
     if resume_from:
         path = exp_dir / "checkpoints" / Path(resume_from).name  # a name, or a path to it
-        if Path(resume_from).name != resume_from and \
-                Path(resume_from).resolve() != path.resolve():
+        if Path(resume_from).name != resume_from and Path(resume_from).resolve() != path.resolve():
             sys.exit(f"--resume-from {resume_from}: not a checkpoint of {exp_dir}; pass one of "
                      f"its own (e.g. {path.name}).")
         if not (path / "state.json").exists():

@@ -11,6 +11,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -563,6 +564,29 @@ def test_an_init_from_run_whose_weights_do_not_fit_its_source_says_why_and_which
     for words in (f"1 missing (e.g. {name})", "1 unexpected (e.g. " + name.replace(
             "c_attn.weight", "c_attn.base.weight"), "rebuilt as its source's model", "--script"):
         assert words in str(failed.value), (words, str(failed.value))
+
+
+@pytest.mark.slow
+def test_a_run_whose_init_from_source_is_gone_says_so_and_what_to_do(four_steps, tmp_path):
+    """generate.py of a run started from another run that was moved since, export_hf.py of one
+    started from an hf/ directory deleted since (its tokenizer too): one paragraph naming the
+    source and the ways on (put it back; --script where the tokenizer is not the source's), not
+    a FileNotFoundError of the source; nothing exported."""
+    for kind, command in (("run", ["generate", "--prompt", "The"]), ("hf", ["export_hf"])):
+        source = Path(shutil.copytree(four_steps / ("hf" if kind == "hf" else ""),
+                                      tmp_path / f"source-{kind}"))
+        result = train(train_args(tmp_path, None, name=kind, max_steps=1, init_from=source))
+        assert result.returncode == 0, result.stderr
+        if kind == "run":
+            source.rename(tmp_path / "moved")
+        else:
+            shutil.rmtree(source)
+        result = train([tmp_path / kind, *command[1:]], script=f"scripts/{command[0]}.py")
+        refused(result, f"started from {source} (--init-from), which is gone",
+                f"Put {source} back")
+        assert ("--script" in result.stderr) == (kind == "run"), result.stderr
+        assert ("its tokenizer is the source's" in result.stderr) == (kind == "hf")
+    assert not (tmp_path / "hf/hf").exists()
 
 
 def test_an_export_and_a_loaded_model_generate_with_the_kv_cache(four_steps, tmp_path):

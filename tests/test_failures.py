@@ -6,10 +6,13 @@ nothing a run wrote is lost."""
 import argparse
 import json
 import logging
+import mmap
 import os
+import resource
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from helpers import (
@@ -155,6 +158,69 @@ def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
                              *train_args(tmp_path, tiny_model, max_steps=2)],
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     refused(result, "Out of memory", "Tried to allocate 9.00 GiB", "--grad-accum")
+
+
+def test_a_failed_allocation_says_memory_ran_out_which_and_the_way_on():
+    """Real failures under a real ulimit -v (1 TiB, far above what this process maps): a thread
+    that cannot have its stack, a mapping refused (ENOMEM), a MemoryError. Each is one paragraph
+    that says memory ran out, which allocation, the limit and the way on; errors that are no
+    failed allocation are not taken for one."""
+    def failure(allocate):
+        try:
+            allocate()
+        except BaseException as e:
+            return e
+
+    def thread():
+        threading.stack_size(2**41)
+        try:
+            threading.Thread(target=lambda: None).start()
+        finally:
+            threading.stack_size(0)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = 2**40 if hard == resource.RLIM_INFINITY else min(2**40, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        messages = {what: utils.expected_failure(failure(allocate)) for what, allocate in (
+            ("a new thread's stack could not be allocated", thread),
+            ("Cannot allocate memory", lambda: mmap.mmap(-1, 2**41)),
+            ("MemoryError", lambda: bytearray(2**41)))}
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    for what, message in messages.items():
+        for words in ("Out of memory: ", what, f"may map {limit / 2**30:.2f} GiB at most "
+                      "(ulimit -v)", "nothing was kept", "--grad-accum"):
+            assert message and words in message, (words, message)
+    assert "Out of memory" not in utils.expected_failure(FileNotFoundError(2, "gone", "x"))
+    assert utils.expected_failure(RuntimeError("can't start the engine")) is None
+
+
+@pytest.mark.slow
+def test_a_run_out_of_address_space_at_the_loaders_mapping_says_so(tmp_path, tiny_model):
+    """ulimit -v set (1 TiB: said as the run starts), then lowered to a little above what the
+    run maps as its loader starts: the loader's shared memory mapping is refused (ENOMEM), and
+    the run ends in one paragraph naming it, the limit and the way on, leaving nothing."""
+    code = ("import re, resource, runpy, sys\n"
+            "import data\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2**40, resource.RLIM_INFINITY))\n"
+            "start = data.start\n"
+            "def capped(loader):\n"
+            "    status = open('/proc/self/status').read()\n"
+            "    mapped = int(re.search(r'VmSize:\\s+(\\d+) kB', status)[1]) << 10\n"
+            "    resource.setrlimit(resource.RLIMIT_AS, (mapped + (16 << 20), 2**40))\n"
+            "    start(loader)\n"
+            "data.start = capped\n"
+            "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
+            "runpy.run_path('train_llm.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code,
+                             *train_args(tmp_path, tiny_model, max_steps=2)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "ulimit -v: this process may map 1024.00 GiB" in result.stderr, result.stderr
+    refused(result, "Out of memory: a shared memory mapping could not be made",
+            "in data.Prefetch._start (data.py:", "GiB at most (ulimit -v)", "raise that limit",
+            "nothing was kept")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_log_file_that_cannot_be_written_is_skipped_without_tracebacks(capsys, monkeypatch):

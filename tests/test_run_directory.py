@@ -3,6 +3,7 @@ nothing the run did not write is deleted, and what cannot be resumed is one para
 way on (exit code, the key words of the message, no traceback)."""
 
 import json
+import random
 import shlex
 import shutil
 import subprocess
@@ -301,6 +302,37 @@ def test_what_wandb_holds_counts_a_segment_that_started_in_the_same_second(tmp_p
     run = types.SimpleNamespace(offline=True, id="abc",
                                 dir=str(tmp_path / "wandb/offline-run-20260101_000000-abc/files"))
     assert utils.wandb_holds(run, tmp_path) == 3
+
+
+@pytest.mark.slow
+def test_a_damaged_offline_wandb_log_is_read_around_and_the_resume_trains_on(tiny_model,
+                                                                              tmp_path):
+    """Bytes in the middle of an offline run's .wandb overwritten (not cut off): the resume
+    warns once, naming the file, and trains on; what the damage left is read (the steps in the
+    file's next 32 KiB block count as held: none is sent twice), the file is left as it is, and
+    the new segment holds the new steps."""
+    exp = tmp_path / "w"
+
+    def args(steps):
+        return train_args(tmp_path, tiny_model, name="w", wandb="offline", log_freq=1,
+                          max_steps=steps, ckpt_freq=10, val_freq=10, sample_tokens=0)
+
+    result = train(args(20))
+    assert result.returncode == 0, result.stderr
+    [log] = (exp / "wandb").glob("offline-run-*/run-*.wandb")
+    damaged = bytearray(log.read_bytes())
+    assert len(damaged) > 32768 + 1000  # (steps past the damage, in the next block)
+    damaged[16000:16064] = random.Random(0).randbytes(64)
+    log.write_bytes(damaged)
+    result = train(args(24))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    [warning] = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    assert f"{log} is damaged at byte" in warning, warning
+    assert log.read_bytes() == damaged
+    [new] = [path for path in (exp / "wandb").glob(f"offline-run-*/{log.name}") if path != log]
+    from wandb.proto.wandb_internal_pb2 import Record
+    assert [r.history.step.num for r in utils.wandb_records(new, Record)
+            if r.HasField("history")] == [21, 22, 23, 24]
 
 
 def test_a_resume_removes_the_kits_own_debris_and_nothing_of_the_users(tmp_path):
