@@ -928,20 +928,34 @@ def memory_stats(device):
     if device.type == "cuda":
         stats = torch.cuda.memory_stats(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return {"mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
-                "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
-                # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
-                "mem/alloc_retries": stats["num_alloc_retries"], "mem/ooms": stats["num_ooms"]}
+        return {
+            "mem/active_peak_gib": stats["active_bytes.all.peak"] / GiB,
+            "mem/reserved_peak_gib": stats["reserved_bytes.all.peak"] / GiB,
+            # Retries: the allocator freed its cache to try again (fragmentation, near OOM).
+            "mem/alloc_retries": stats["num_alloc_retries"],
+            "mem/ooms": stats["num_ooms"],
+        }
     # On CPU: the peak resident set size of the process (kilobytes on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mem/peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / GiB}
 
 
-# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity; H200, H100: SXM),
-# matched against the device's name in this order: specific names first ("H100 NVL" before "H100").
-PEAK_BF16_FLOPS = {"B200": 2250e12, "GH200": 989e12, "H200 NVL": 835e12, "H200": 989e12,
-                   "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
-                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12}
+# Dense bf16 tensor-core peaks in FLOP/s (vendors' data sheets, no sparsity), matched against the
+# device's name in this order: specific names first ("H100 NVL" before "H100", "L40S" before "L4").
+PEAK_BF16_FLOPS = {
+    "B200": 2250e12,
+    "GH200": 989e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,  # SXM
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+}
 
 
 def format_metrics(m):
