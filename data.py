@@ -1836,8 +1836,9 @@ class Prefetch(Stage):
         return self._ask(None, "item")
 
     def _ended(self):
-        """Why the child ended, reaped here (its pid is no longer this stage's to kill)."""
-        self._stop.detach()
+        """Why the child ended, reaped here once (its pid is then no longer this stage's)."""
+        if self._stop.detach() is None:  # (reaped already)
+            return f"data.Prefetch's process ({self._pid}) ended"
         status = os.waitpid(self._pid, 0)[1]  # (its pipe closed as it exited)
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         why = {signal.SIGKILL: " (the kernel's out-of-memory killer, or a kill -9)",
