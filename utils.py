@@ -241,9 +241,8 @@ def check_args(parser, args, local_paths, shipped):
 # --- The run directory (DESIGN.md section 3): open_run, Run, the refusals, the logs --------------
 
 class Run:
-    """A run directory as this start sees it: ``dir``; ``state``, the run state (state.json's,
-    and every checkpoint's); ``created``, what this start made (removed if it fails before
-    training: cli). Rank 0 makes the directory, locks it and logs to its train.log."""
+    """A run directory as this start sees it (DESIGN.md section 3): ``dir``, ``state`` (the
+    run state), ``created`` (what this start made, removed if training never began: cli)."""
 
     def __init__(self, exp_dir, rank):
         self.dir, self.rank, self.created, self.lock_file = exp_dir, rank, [], None
@@ -264,24 +263,21 @@ class Run:
         log_to_file(exp_dir / "train.log", rank)
 
     def discard_after_checkpoint(self, args, ctx, loader, extra=()):
-        """Once the checkpoint has loaded: forget what a killed run did after it (DESIGN.md
-        section 3); from here on a failure keeps the directory. --resume-from: every rank reads
-        its data first (a changed shard fails). ``extra`` may not take a name the kit writes."""
+        """Once the checkpoint is loaded (--resume-from: each rank's first batch too), forget
+        what a killed run did after it (DESIGN.md section 3); a failure now keeps the run."""
         taken = [name for name in extra if name in (*KIT_STATES, "dcp", "state") or
                  name.startswith("rng-rank")]
         if taken:
             sys.exit(f"extra[{taken[0]!r}]: a checkpoint's {taken[0]}.pt (or {taken[0]}/) is "
                      "the kit's own; give your training state another name.")
         if args.resume_from:
-            failed = None
             try:
                 data.first_read(loader)
-            except data.DataError as e:
-                failed = e
-            if any_rank(failed, ctx) and not failed:
+            except data.DataError:
+                any_rank(True, ctx)  # (the other ranks learn of it, and stop)
+                raise
+            if any_rank(False, ctx):
                 sys.exit(f"rank {ctx.rank}: stopped, as another rank's data failed its check")
-            if failed:
-                raise failed
         if self.rank == 0:
             metrics = self.dir / "metrics.jsonl"
             if not self.state["checkpoint"] and metrics.exists() and metrics.stat().st_size:
@@ -351,8 +347,7 @@ def open_run(args, parser, rank, world_size, script):
 
 
 def say_new_cut(args, state, world_size):
-    """A resume that cuts the run's global batch another way (--batch-size x --grad-accum x
-    ranks) takes the same update up to float rounding, not bit for bit: one line says so."""
+    """Says so when a resume cuts the global batch another way (DESIGN.md section 7)."""
     old = state.get("args") or {}
     was = (old.get("batch_size"), old.get("grad_accum"), state.get("world_size"))
     if None not in was and was != (args.batch_size, args.grad_accum, world_size):
@@ -726,8 +721,7 @@ def done_message(state, run_dir):
 
 
 def stop_on_signals(stop):
-    """From here on SIGTERM (preemption, scancel) and Ctrl-C set ``stop``, and nothing else: the
-    loop ends its step, saves, exits 0 (DESIGN.md 7). A second signal kills at once."""
+    """From here on SIGTERM and Ctrl-C only set ``stop`` (DESIGN.md section 7)."""
     def handler(signum, frame):
         stop.set()
         signal.signal(signum, signal.SIG_DFL)
@@ -833,8 +827,9 @@ def out_of_memory(error, stopped):
     elif not (gpu or "can't allocate memory" in text or isinstance(error, (
             MemoryError, OSError)) and getattr(error, "errno", errno.ENOMEM) == errno.ENOMEM):
         return None
-    for code, line in [(f.f_code, n) for f, n in traceback.walk_tb(error.__traceback__)
-                       if Path(f.f_code.co_filename).resolve().parent == KIT][-1:]:
+    if kit := [(f.f_code, n) for f, n in traceback.walk_tb(error.__traceback__)
+               if Path(f.f_code.co_filename).resolve().parent == KIT]:
+        code, line = kit[-1]  # the kit's innermost frame
         name, qualname = Path(code.co_filename), getattr(code, "co_qualname", code.co_name)
         if "mmap(" in linecache.getline(code.co_filename, line):
             text = f"a shared memory mapping could not be made ({text})"
@@ -901,8 +896,7 @@ class Timer:
 
 
 class Throughput:
-    """tokens/s and MFU (per GPU; None without a known peak) over all the wall clock since the
-    last call (DESIGN.md section 7), its share waiting for data, the ``timers``, and memory."""
+    """tokens/s, MFU, data wait, ``timers``, memory: since the last call (DESIGN.md 7)."""
 
     def __init__(self, timers, tokens_seen, flops_per_token, ctx):
         name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else ""
@@ -993,8 +987,7 @@ def flops_per_token(model, seq_length):
 
 
 class Profiler(contextlib.AbstractContextManager):
-    """--profile-steps A:B: a trace of steps A to B per rank in RUN/profile/ and a table of the
-    loop's record_function ranges in the log (DESIGN.md section 7); a step before A warms up."""
+    """--profile-steps A:B: each rank's trace in RUN/profile/ (DESIGN.md section 7)."""
 
     def __init__(self, steps, run_dir, ctx):
         self.first, self.last = steps or (0, -1)
@@ -1042,8 +1035,7 @@ class Profiler(contextlib.AbstractContextManager):
 
 
 class StepNumbers:
-    """Each step's numbers ({name: tensor}), summed over the ranks on the device, copied to the
-    host behind its work and read a step later: no wait for the GPU (DESIGN.md section 7)."""
+    """Each step's numbers, all-reduced and read a step late: no GPU wait (DESIGN.md 7)."""
 
     def __init__(self, ctx):
         self.world_size, self.device, self.queue = ctx.world_size, ctx.device, []
@@ -1084,8 +1076,7 @@ def deterministic():
 
 
 def keep_freed_memory():
-    """glibc: serve every block from the heap and keep what is freed there for the next step,
-    not mmap and unmap the big ones (faulted in again each step; DESIGN.md section 6)."""
+    """glibc keeps freed blocks for the next step, none unmapped (DESIGN.md section 6)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None
     if mallopt:
         mallopt(-4, 0)  # M_MMAP_MAX: no block from mmap
@@ -1137,17 +1128,13 @@ def rehearse(model, ctx, step):
         model.zero_grad(set_to_none=True)
 
 
-def all_ranks(flag, group=None):
-    """True on every rank iff ``flag`` is true on every rank: an all-reduce of one number, on
-    the CPU (``group``: a gloo one; None, the default group, must be gloo too)."""
-    flag = torch.tensor(float(flag))
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
 def any_rank(flag, ctx):
-    """True on every rank iff ``flag`` is true on some rank (alone: ``flag``)."""
-    return not all_ranks(not flag, ctx.cpu_group) if ctx.distributed else bool(flag)
+    """True on every rank iff ``flag`` is true on some rank: one all-reduce on the CPU."""
+    if not ctx.distributed:
+        return bool(flag)
+    flag = torch.tensor(float(bool(flag)))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ctx.cpu_group)
+    return bool(flag.item())
 
 
 def plain_tensor(tensor):
@@ -1276,8 +1263,7 @@ def check_model(model, tokenizer, args, trained=None):
 
 
 def skip_mask_checks(model):
-    """Skip transformers' two reads of the GPU each forward (padding, packing; DESIGN.md 7): a
-    model on SDPA with a plain causal mask runs it under a name no mask is made for, no pad."""
+    """Skip transformers' two GPU reads each forward (padding, packing; DESIGN.md 7)."""
     config = getattr(model, "config", None)
     layers = getattr(config, "layer_types", None) or (
         ["sliding_attention"] if getattr(config, "sliding_window", None) else ["full_attention"])
@@ -1386,8 +1372,7 @@ def _fsync_dir(path):
 
 
 class DirectFile(contextlib.AbstractContextManager):
-    """A file written past the page cache (O_DIRECT; how and why: DESIGN.md section 3), the
-    last block padded with zeros and the file truncated back."""
+    """A file written past the page cache: O_DIRECT (how and why: DESIGN.md section 3)."""
 
     BLOCK, CHUNK = 4096, 8 << 20
 
@@ -1525,8 +1510,7 @@ KIT_STATES = ("model", "optimizer", "lr_scheduler")  # NAME.pt in a checkpoint (
 
 
 def checkpoint_writer(mode, ctx):
-    """What writes the checkpoints (--checkpoint-writer; DESIGN.md section 3): a thread
-    (BackgroundWriter, its barriers on a gloo group of its own), or this one (sync)."""
+    """The BackgroundWriter that --checkpoint-writer asks for (DESIGN.md section 3)."""
     group = None
     if ctx.distributed:  # rank 0 may write for minutes while the others wait at a barrier
         group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
@@ -1678,15 +1662,13 @@ def write_checkpoint(exp_dir, step, files, state, keep, rank=0, barrier=lambda: 
                if saved_by(d)[0] == state.get("run_id")}  # never another run's
         for _, old in sorted(own.items())[:-keep]:
             # Renamed at once, deleted by a thread: 1.3 GB took 0.2 s on a disk with discard.
-            gone = old.with_name(old.name + ".deleted")
-            os.rename(old, gone)
+            gone = old.rename(old.with_name(old.name + ".deleted"))
             threading.Thread(target=shutil.rmtree, args=(gone, True)).start()  # (exit waits)
     barrier()  # no rank runs ahead into a checkpoint that is not complete
 
 
 class BackgroundWriter:
-    """Writes checkpoints off the training path, one at a time (DESIGN.md section 3); a write
-    that fails is raised at the next ``before_update()`` or ``wait()``. ``sync``: no thread."""
+    """Writes checkpoints off the training path, one at a time (DESIGN.md section 3)."""
 
     def __init__(self, sync=False, pinned=False, group=None, log=print):
         # torch's stager keeps the CPU copies (pinned: a GPU's) from save to save, keyed by
