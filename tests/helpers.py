@@ -90,6 +90,15 @@ def train(args, timeout=120, script="train_llm.py"):
                                            err.read_text())
 
 
+def train_patched(prelude, args, timeout=120):
+    """``python train_llm.py ARGS`` in a fresh process after ``prelude`` (Python that patches
+    what the run will use: a failing allocation, a lowered limit), to the end."""
+    code = (f"import runpy, sys\n{prelude}\nsys.argv = ['train_llm.py', *sys.argv[1:]]\n"
+            "runpy.run_path('train_llm.py', run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def export(run_dir):
     """``python scripts/export_hf.py RUN_DIR``: the run's hf/, as a user writes it."""
     result = train([run_dir], script="scripts/export_hf.py")

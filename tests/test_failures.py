@@ -26,6 +26,7 @@ from helpers import (
     start,
     train,
     train_args,
+    train_patched,
     wait_for,
 )
 
@@ -148,15 +149,12 @@ def test_a_failed_metrics_write_is_one_paragraph_and_leaves_no_torn_line(tmp_pat
 def test_out_of_memory_is_one_paragraph(tmp_path, tiny_model):
     """The first backward pass runs out of memory (as a too large --batch-size does on a GPU):
     one paragraph with the way on, no traceback."""
-    code = ("import runpy, sys, torch\n"
-            "def oom(*a, **k):\n"
-            "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
-            "torch.Tensor.backward = oom\n"
-            "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
-            "runpy.run_path('train_llm.py', run_name='__main__')\n")
-    result = subprocess.run([sys.executable, "-c", code,
-                             *train_args(tmp_path, tiny_model, max_steps=2)],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    prelude = ("import torch\n"
+               "def oom(*a, **k):\n"
+               "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate '\n"
+               "                                 '9.00 GiB')\n"
+               "torch.Tensor.backward = oom\n")
+    result = train_patched(prelude, train_args(tmp_path, tiny_model, max_steps=2))
     refused(result, "Out of memory", "Tried to allocate 9.00 GiB", "--grad-accum")
 
 
@@ -201,21 +199,17 @@ def test_a_run_out_of_address_space_at_the_loaders_mapping_says_so(tmp_path, tin
     """ulimit -v set (1 TiB: said as the run starts), then lowered to a little above what the
     run maps as its loader starts: the loader's shared memory mapping is refused (ENOMEM), and
     the run ends in one paragraph naming it, the limit and the way on, leaving nothing."""
-    code = ("import re, resource, runpy, sys\n"
-            "import data\n"
-            "resource.setrlimit(resource.RLIMIT_AS, (2**40, resource.RLIM_INFINITY))\n"
-            "start = data.start\n"
-            "def capped(loader):\n"
-            "    status = open('/proc/self/status').read()\n"
-            "    mapped = int(re.search(r'VmSize:\\s+(\\d+) kB', status)[1]) << 10\n"
-            "    resource.setrlimit(resource.RLIMIT_AS, (mapped + (16 << 20), 2**40))\n"
-            "    start(loader)\n"
-            "data.start = capped\n"
-            "sys.argv = ['train_llm.py', *sys.argv[1:]]\n"
-            "runpy.run_path('train_llm.py', run_name='__main__')\n")
-    result = subprocess.run([sys.executable, "-c", code,
-                             *train_args(tmp_path, tiny_model, max_steps=2)],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    prelude = ("import re, resource\n"
+               "import data\n"
+               "resource.setrlimit(resource.RLIMIT_AS, (2**40, resource.RLIM_INFINITY))\n"
+               "start = data.start\n"
+               "def capped(loader):\n"
+               "    status = open('/proc/self/status').read()\n"
+               "    mapped = int(re.search(r'VmSize:\\s+(\\d+) kB', status)[1]) << 10\n"
+               "    resource.setrlimit(resource.RLIMIT_AS, (mapped + (16 << 20), 2**40))\n"
+               "    start(loader)\n"
+               "data.start = capped\n")
+    result = train_patched(prelude, train_args(tmp_path, tiny_model, max_steps=2))
     assert "ulimit -v: this process may map 1024.00 GiB" in result.stderr, result.stderr
     refused(result, "Out of memory: a shared memory mapping could not be made",
             "in data.Prefetch._start (data.py:", "GiB at most (ulimit -v)", "raise that limit",
