@@ -2658,7 +2658,9 @@ class CheckpointableDataset(torch.utils.data.IterableDataset):
         return self.then(ParallelMap, fn, max_workers=max_workers, ordered=ordered,
                          prefetch_factor=prefetch_factor, executor_type=executor_type)
 
-    parallel_map = parallel_filter_map  # (ParallelMap drops a None, as FilterMap does)
+    def parallel_map(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
+                     executor_type="process"):
+        return self.parallel_filter_map(fn, max_workers, prefetch_factor, ordered, executor_type)
 
     def parallel_filter(self, fn, max_workers=None, prefetch_factor=10, ordered=True,
                         executor_type="process"):
