@@ -454,10 +454,13 @@ def test_a_hung_rank_fails_the_others_after_the_short_timeout(tmp_path):
 def test_a_resume_on_three_ranks_is_bit_identical(tiny_model, corpus, tmp_path):
     """Three ranks' gradient sums round by the order they are added in, which DDP takes from its
     bucket layout: a run stopped at step 5 and resumed ends with the weights of one that ran
-    straight. (FSDP2's reduce-scatter has one layout: 3-rank resumes were exact by hand.)"""
+    straight. One JSONL file, as a user has. (FSDP2's reduce-scatter has one layout: 3-rank
+    resumes were exact by hand.)"""
+    write_corpus(tmp_path / "one", [320], words=29)
     for name, stops in (("straight", [CORPUS_STEPS]), ("resumed", [5, CORPUS_STEPS])):
         for steps in stops:
             run_ranks(corpus_args(tmp_path, tiny_model, corpus, name=name, max_steps=steps,
                                   decay_steps=CORPUS_STEPS, ckpt_freq=CORPUS_STEPS,
-                                  active_shards=3), ranks=3)
+                                  dataset=tmp_path / "one/train-000.jsonl", active_shards=3),
+                      ranks=3)
     assert_same_weights(final_model(tmp_path / "straight"), final_model(tmp_path / "resumed"))
