@@ -29,6 +29,7 @@ import os
 import pickle
 import random
 import re
+import select
 import signal
 import sys
 import threading
@@ -1746,6 +1747,8 @@ class Prefetch(Stage):
     def _start(self):
         if self._pid is None:
             self._conn, theirs = multiprocessing.Pipe()
+            self._waiting = select.poll()
+            self._waiting.register(self._conn.fileno(), select.POLLIN)
             size = min(SLOT_BYTES, SHARED_BYTES // self.depth) // 64 * 64  # (a slot's bytes)
             self._slots = mmap.mmap(-1, self.depth * size, flags=mmap.MAP_SHARED | NORESERVE)
             self._view = np.frombuffer(self._slots, np.uint8)
@@ -1850,7 +1853,8 @@ class Prefetch(Stage):
     def _poll(self):
         """Whether the child's next message waits, after a second at most; a child stopped for
         3 s (SIGSTOP, a debugger) is an error, not a hang (Linux's /proc tells)."""
-        if self._conn.poll(1):
+        if self._waiting.poll(1000):  # (select.poll: the 1 µs of a poll that finds data)
+            self._stopped = 0
             return True
         with contextlib.suppress(OSError):
             stat = Path(f"/proc/{self._pid}/stat").read_text()

@@ -690,7 +690,7 @@ class MetricsLog:
 
     def rewrite_last(self, more):
         """The last step's line again, now with ``more`` in it (a late validation)."""
-        self.last = self.last | more
+        self.last = self.last | {k: v for k, v in more.items() if k != "stopped"}  # (cut short)
         if not self.lines and self.file:  # written: cut off, to be written again
             os.truncate(self.file.name, self.last_at)
         self.lines[-1:] = [json.dumps(self.last) + "\n"]
