@@ -133,7 +133,6 @@ def place(tmp, path):
     else:
         for file in tmp.iterdir():
             os.replace(file, path / file.name)
-    return True
 
 
 def main():
@@ -168,18 +167,22 @@ def main():
     # Each output is written into a hidden directory beside it and moved into place once both
     # are whole and load: a full disk or a kill leaves no half-written tokenizer, and no
     # --out/--config-out that would refuse the rerun.
-    staged = [(path, staging(path)) for path in (args.out, args.config_out)]
-    path, placing = args.out, False
+    staged, placed = [], []
     try:
+        for path in (args.out, args.config_out):  # (made here: a refused mkdir is told too)
+            staged.append((path, staging(path)))
+        path = args.out
         tok2 = write_tokenizer(tok, args, staged[0][1])
         path = args.config_out
         n_params = write_config(tok2, args, staged[1][1])
         for path, tmp in staged:
-            placing = place(tmp, path)
+            place(tmp, path)
+            placed.append(str(path))
     except Exception as e:  # the tokenizers library says "... (os error 28)": no OSError
         if isinstance(e, AssertionError) or (failure := utils.write_failure(path, e)) is None:
             raise
-        sys.exit(f"{failure}." + ("" if placing else " Nothing was written."))
+        sys.exit(f"{failure}. " + (f"Written: {', '.join(placed)} only; rerun with --overwrite."
+                                   if placed else "Nothing was written."))
     finally:
         for _, tmp in staged:
             shutil.rmtree(tmp, ignore_errors=True)
