@@ -79,8 +79,10 @@ def write(path, ids, layout):
         os.rename(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, FileExistsError):
-            raise (utils.write_failure(path, e) or e) from e
+        failure = isinstance(e, OSError) and not isinstance(e, FileExistsError) and \
+            utils.write_failure(path, e)
+        if failure:
+            raise failure from e
         raise
 
 
