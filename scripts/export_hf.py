@@ -58,7 +58,7 @@ def save_hf(out, model, tokenizer, config, checkpoint=None, owned=False):
             if out.exists():
                 os.rename(out, old)
             os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # (out's own claim still held: no other export)
     finally:
         os.close(held)
 
