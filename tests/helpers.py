@@ -217,6 +217,11 @@ def small_disk(limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def small_disk_of(limit):
+    """small_disk for a process of its own: its preexec_fn (subprocess.run)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
 @contextlib.contextmanager
 def read_only(make):
     """A directory that ``make(path)`` makes, then read-only to this process till the block

@@ -6,7 +6,6 @@ import csv
 import fcntl
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from helpers import (
     refused,
     script,
     script_module,
+    small_disk_of,
     snapshot,
     start,
     straight_and_killed,
@@ -293,12 +293,9 @@ def test_a_full_disk_during_the_export_is_one_paragraph(four_steps, tmp_path, ca
     exp = copy_run(four_steps, tmp_path)
     shutil.rmtree(exp / "hf")
     limit = (exp / "checkpoints/step-000004/model.pt").stat().st_size // 2
-
-    def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     result = subprocess.run([sys.executable, "scripts/export_hf.py", str(exp)], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+                            capture_output=True, text=True, timeout=120,
+                            preexec_fn=small_disk_of(limit))
     refused(result, f"writing {exp / 'hf'} failed", "GiB free on that disk")
     assert not (exp / "hf").exists() and not (exp / "hf.tmp").exists()
     script("export_hf", [exp], capsys, monkeypatch)

@@ -5,7 +5,6 @@ last checkpoint untouched. tests/crashing_train.py dies where it is told to."""
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from helpers import (
     ROOT,
     copy_run,
     refused,
+    small_disk_of,
     snapshot,
     train,
     train_args,
@@ -124,15 +124,12 @@ def test_a_full_disk_while_saving_names_the_file_and_keeps_the_last_checkpoint(
     exp = copy_run(ten_steps, tmp_path)
     before = snapshot(exp / "checkpoints")
     limit = (exp / "checkpoints/step-000010/model.pt").stat().st_size // 2
-
-    def small_disk():  # files past `limit` bytes fail to write (EFBIG), as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     result = subprocess.run(
         [sys.executable, "train_llm.py", *train_args(tmp_path, tiny_model, name="k",
                                                      max_steps=15, ckpt_freq=5,
                                                      checkpoint_writer="background")],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, preexec_fn=small_disk)
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+        preexec_fn=small_disk_of(limit))
     refused(result, "model.pt failed", "GiB free on that disk", "last checkpoint is untouched")
     assert "step-000015 in the background" in result.stderr  # the write that failed
     assert json.loads((exp / "state.json").read_text())["checkpoint"] == "checkpoints/step-000010"
